@@ -1,0 +1,312 @@
+"""Command line: ``lodestar generate | chat | models | bench``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="default",
+                   help="GGUF file path or known model (default, smollm2-135m, gemma3-270m)")
+    p.add_argument("--dtype", default="packed", choices=["packed", "fp32", "bf16"],
+                   help="packed: keep quantized blocks packed (fast, small); fp32/bf16: dequantize at load")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--ctx", type=int, default=None, help="context length cap (default: the model's, max 16384)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", "--temp", type=float, default=temperature,
+                   help=f"0 = greedy (default {temperature})")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text")
+
+
+def _sampling_params(a: argparse.Namespace):
+    from lodestar.engine.sampling import SamplingParams
+    try:
+        return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                              repetition_penalty=a.repeat_penalty, presence_penalty=a.presence_penalty,
+                              frequency_penalty=a.frequency_penalty, seed=a.seed, stop=list(a.stop),
+                              max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def _load_engine(a: argparse.Namespace, progress: bool = True):
+    import torch
+
+    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
+    from lodestar.engine.loader import load_model
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    loaded = load_model(a.model, mode=a.dtype, progress=progress and sys.stderr.isatty())
+    cfg = EngineConfig()
+    if a.ctx:
+        cfg.max_model_len = a.ctx
+        cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
+    return LLMEngine(loaded, cfg)
+
+
+def _prompt_ids(engine, text: str, raw: bool, system: str | None) -> list[int]:
+    tok = engine.tokenizer
+    if raw or not tok.has_chat_template:
+        return tok.encode(text)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+# -- generate -------------------------------------------------------------------
+def cmd_generate(a: argparse.Namespace) -> int:
+    text = a.prompt
+    if text == "-":
+        text = sys.stdin.read()
+    params = _sampling_params(a)
+    engine = _load_engine(a)
+    ids = _prompt_ids(engine, text, a.raw, a.system)
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    reason = None
+    try:
+        for out in engine.stream(ids, params):
+            if t_first is None:
+                t_first = time.perf_counter()
+            n += len(out.token_ids)
+            if out.text:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            reason = out.finish_reason
+    except KeyboardInterrupt:
+        reason = "abort"
+    t1 = time.perf_counter()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if not a.quiet:
+        prefill = (t_first - t0) if t_first else 0.0
+        decode = t1 - (t_first or t1)
+        print(f"[{engine.loaded.path.name} {engine.loaded.mode}] load {engine.loaded.load_seconds:.2f}s | "
+              f"prompt {len(ids)} tok, {len(ids) / max(prefill, 1e-9):.1f} tok/s | "
+              f"generated {n} tok, {max(n - 1, 0) / max(decode, 1e-9):.1f} tok/s | finish: {reason}",
+              file=sys.stderr)
+    return 0
+
+
+# -- chat -----------------------------------------------------------------------
+CHAT_HELP = """commands:
+  /help          this help
+  /reset         forget the conversation
+  /system TEXT   set the system prompt (and reset)
+  /quit          leave (Ctrl+D works too; Ctrl+C stops an answer)"""
+
+
+class ChatSession:
+    """Conversation state; renders the prompt with the model's template or a plain fallback."""
+
+    def __init__(self, engine, system: str | None) -> None:
+        self.engine = engine
+        self.system = system
+        self.messages: list[dict] = []
+
+    def prompt_ids(self) -> list[int]:
+        tok = self.engine.tokenizer
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        if tok.has_chat_template:
+            return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs)
+        return tok.encode(text + "Assistant:")
+
+    def extra_stops(self) -> list[str]:
+        return [] if self.engine.tokenizer.has_chat_template else ["\nUser:"]
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from lodestar.engine.llm_engine import ContextLengthError
+    params = _sampling_params(a)
+    engine = _load_engine(a)
+    session = ChatSession(engine, a.system)
+    if not engine.tokenizer.has_chat_template:
+        print(f"note: {engine.loaded.path.name} has no chat template; using a plain 'User:/Assistant:' format",
+              file=sys.stderr)
+    print(f"lodestar chat — {engine.loaded.path.name} ({engine.loaded.mode}). /help for commands.", file=sys.stderr)
+    from dataclasses import replace
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print("\n(/quit or Ctrl+D to leave)", file=sys.stderr)
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            if cmd in ("/quit", "/exit"):
+                return 0
+            if cmd == "/help":
+                print(CHAT_HELP, file=sys.stderr)
+            elif cmd == "/reset":
+                session.messages.clear()
+                print("(conversation cleared)", file=sys.stderr)
+            elif cmd == "/system":
+                session.system = arg.strip() or None
+                session.messages.clear()
+                print(f"(system prompt {'set' if session.system else 'cleared'}; conversation cleared)",
+                      file=sys.stderr)
+            else:
+                print(f"unknown command {cmd}; /help lists them", file=sys.stderr)
+            continue
+        session.messages.append({"role": "user", "content": line})
+        try:
+            ids = session.prompt_ids()
+            p = replace(params, stop=list(params.stop) + session.extra_stops())
+            reply, n, t0, t_first, reason = [], 0, time.perf_counter(), None, None
+            try:
+                for out in engine.stream(ids, p):
+                    t_first = t_first or time.perf_counter()
+                    n += len(out.token_ids)
+                    reply.append(out.text)
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+                    reason = out.finish_reason
+            except KeyboardInterrupt:
+                reason = "interrupted"
+            t1 = time.perf_counter()
+            sys.stdout.write("\n")
+            session.messages.append({"role": "assistant", "content": "".join(reply)})
+            rate = max(n - 1, 0) / max(t1 - (t_first or t1), 1e-9)
+            print(f"[{n} tokens, {rate:.1f} tok/s, first token {((t_first or t1) - t0) * 1000:.0f} ms"
+                  f"{', ' + reason if reason not in (None, 'stop') else ''}]", file=sys.stderr)
+        except ContextLengthError as e:
+            session.messages.pop()
+            print(f"error: {e}; /reset to start over", file=sys.stderr)
+
+
+# -- models ---------------------------------------------------------------------
+def _describe(path: Path) -> tuple[str, str]:
+    from collections import Counter
+
+    from lodestar.formats.gguf import GGUFFile
+    g = GGUFFile(path)
+    try:
+        types = Counter()
+        for t in g.tensors.values():
+            if len(t.shape) > 1:
+                types[t.qtype.name] += t.n_bytes
+        quant = "+".join(name for name, _ in types.most_common(3))
+        return g.config.arch, quant
+    finally:
+        g.close()
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from lodestar.formats.catalog import KNOWN_MODELS, ModelNotFoundError, file_sha256, known_model_path, local_model_files
+    rows = []
+    seen = set()
+    for name, km in KNOWN_MODELS.items():
+        try:
+            path = known_model_path(name)
+        except ModelNotFoundError as e:
+            rows.append((name, "not installed", "-", "-", "-", str(e).split(": ", 1)[-1]))
+            continue
+        seen.add(path.resolve())
+        arch, quant = _describe(path)
+        rows.append((name, str(path), f"{path.stat().st_size / 1e6:.1f} MB", f"{arch} {quant}",
+                     file_sha256(path), km.description))
+    for path in local_model_files():
+        if path.resolve() in seen:
+            continue
+        try:
+            arch, quant = _describe(path)
+        except Exception as e:  # a broken local file is listed, not fatal
+            arch, quant = "?", f"unreadable: {e}"
+        rows.append((path.stem, str(path), f"{path.stat().st_size / 1e6:.1f} MB", f"{arch} {quant}",
+                     file_sha256(path), "local"))
+    for name, path, size, quant, sha, desc in rows:
+        print(f"{name}\n  path:   {path}\n  size:   {size}\n  quant:  {quant}\n  sha256: {sha}\n  about:  {desc}")
+    return 0
+
+
+# -- bench ----------------------------------------------------------------------
+def cmd_bench(a: argparse.Namespace) -> int:
+    from lodestar.bench import decode as bench_decode
+    return bench_decode.main(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lodestar", description="Local LLM inference engine.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (text to stdout, stats to stderr)")
+    g.add_argument("-p", "--prompt", required=True, help="prompt text ('-' reads stdin)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--system", default=None, help="system prompt (chat template only)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no stats on stderr")
+    _add_model_args(g)
+    _add_sampling_args(g, temperature=0.0)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c.add_argument("--system", default=None, help="system prompt")
+    _add_model_args(c)
+    _add_sampling_args(c, temperature=0.7)
+    c.set_defaults(func=cmd_chat)
+
+    m = sub.add_parser("models", help="list known and local models")
+    m.set_defaults(func=cmd_models)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bd = bsub.add_parser("decode", help="load time, prefill and decode speed (vs llama.cpp when installed)")
+    _add_model_args(bd)
+    bd.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024])
+    bd.add_argument("--gen-tokens", type=int, default=256)
+    bd.add_argument("--runs", type=int, default=3)
+    bd.add_argument("--peer", choices=["auto", "none", "llama.cpp"], default="auto",
+                    help="also measure llama-cpp-python on the same file (auto: when installed)")
+    bd.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    bd.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    from lodestar.engine.llm_engine import ContextLengthError
+    from lodestar.formats.catalog import ModelNotFoundError
+    from lodestar.formats.gguf import GGUFError
+    from lodestar.models import UnsupportedArchitectureError
+    from lodestar.tokenizer import TokenizerError
+    try:
+        return a.func(a)
+    except (CLIError, ContextLengthError, ModelNotFoundError, GGUFError, UnsupportedArchitectureError,
+            TokenizerError) as e:
+        print(f"lodestar: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The engine: requests in, tokens out, one batched model step at a time.
+
+``add_request`` queues a prompt; each ``step`` schedules decode rows plus prefill chunks
+under a token budget, runs them as one flattened batch, samples, detokenizes and checks
+stop conditions. Finished requests free their KV blocks at once.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from lodestar.engine.detokenizer import IncrementalDetokenizer
+from lodestar.engine.kv_cache import BlockPool
+from lodestar.engine.loader import LoadedModel
+from lodestar.engine.model_runner import ModelRunner
+from lodestar.engine.sampling import Sampler, SamplerState, SamplingParams
+from lodestar.engine.sequence import Sequence, SequenceStatus
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus at least one new token) does not fit the context."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int) -> None:
+        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
+        super().__init__(f"prompt has {prompt_tokens} tokens; with at least one new token it exceeds "
+                         f"the context of {context} tokens")
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 16              # rows decoded together
+    max_num_batched_tokens: int = 512   # token budget of one step (prefill chunk size)
+    block_size: int = 16
+    max_model_len: int | None = None    # default: the model's context, capped at kv_tokens
+    kv_tokens: int = 16384              # KV pool capacity in tokens (memory is touched lazily)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A finished request, as returned by ``LLMEngine.generate``."""
+
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.config = cfg = config or EngineConfig()
+        num_blocks = -(-cfg.kv_tokens // cfg.block_size)
+        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.runner = ModelRunner(loaded.model, self.pool)
+        ctx = loaded.config.context_length
+        self.max_model_len = min(cfg.max_model_len or ctx, ctx, num_blocks * cfg.block_size)
+        self.sampler = Sampler()
+        self._ids = itertools.count()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[int, Sequence] = {}
+        self._skip_ids = frozenset(self.tokenizer.special_ids)
+
+    # -- requests ----------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(prompt_ids) + 1 > self.max_model_len:
+            raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_model_len)
+        seq = Sequence(next(self._ids), list(prompt_ids), params)
+        seq.sampler_state = SamplerState(params, prompt_ids)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer.token_bytes, self._skip_ids, params.stop,
+                                                 params.include_stop_str_in_output)
+        self.requests[seq.seq_id] = seq
+        self.waiting.append(seq)
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------
+    def _schedule(self) -> tuple[list[Sequence], list[int]]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        rows: list[Sequence] = []
+        counts: list[int] = []
+        for seq in self.running:                      # decode rows first: one token each
+            if budget <= 0:
+                break
+            rows.append(seq)
+            counts.append(1)
+            budget -= 1
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            todo = seq.num_tokens - seq.num_computed
+            chunk = min(todo, budget)
+            need = self.pool.blocks_needed(seq.num_computed + chunk) - len(seq.block_table)
+            if need > self.pool.num_free:
+                break
+            rows.append(seq)
+            counts.append(chunk)
+            budget -= chunk
+            if chunk == todo:                         # prompt complete after this step
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            else:
+                break                                 # chunked: the rest next step
+        return rows, counts
+
+    def step(self) -> list[RequestOutput]:
+        rows, counts = self._schedule()
+        if not rows:
+            return []
+        wants = [s.num_computed + n == s.num_tokens for s, n in zip(rows, counts)]
+        logits = self.runner.run(rows, counts, wants)
+        sampled = [s for s, w in zip(rows, wants) if w]
+        if not sampled:
+            return []
+        results = self.sampler.sample(logits, [s.sampler_state for s in sampled])
+        return [self._accept(seq, res) for seq, res in zip(sampled, results)]
+
+    def _accept(self, seq: Sequence, res) -> RequestOutput:
+        p = seq.params
+        tok = res.token_id
+        seq.output_ids.append(tok)
+        seq.sampler_state.append(tok)
+        lp = [(res.logprob, res.top_logprobs)] if p.logprobs is not None else None
+        text, reason = "", None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_ids):
+            reason = "stop"
+        else:
+            text = seq.detokenizer.push(tok)
+            if seq.detokenizer.stopped:
+                reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason:
+            text += seq.detokenizer.flush()
+            self._finish(seq, reason)
+        return RequestOutput(seq.seq_id, [tok], text, reason is not None, reason, lp,
+                             len(seq.prompt_ids), len(seq.output_ids))
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        self.requests.pop(seq.seq_id, None)
+
+    # -- conveniences ------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Run prompts together to completion; results in prompt order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        acc = {i: Completion(i, p, [], "", "") for i, p in zip(ids, prompts)}
+        while self.has_unfinished():
+            for out in self.step():
+                c = acc[out.request_id]
+                c.token_ids += out.token_ids
+                c.text += out.text
+                if out.logprobs:
+                    c.logprobs += out.logprobs
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+        return [acc[i] for i in ids]
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Generate one request, yielding each step's output; closing the iterator aborts it."""
+        rid = self.add_request(prompt_ids, params)
+        done = False
+        try:
+            while not done:
+                for out in self.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.abort(rid)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One tiny request so first-token latency excludes one-time setup."""
+        self.generate([[self.tokenizer.bos_id if self.tokenizer.bos_id is not None else 0]],
+                      SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))

@@ -1,0 +1,149 @@
+"""Attention over a paged KV pool for a flattened batch of sequences.
+
+Every forward sees one flattened batch: the new tokens of all sequences laid end to end
+(``query_start_loc`` marks where each sequence's tokens begin). Keys and values live in a
+pool of fixed-size blocks; ``slot_mapping`` says where each new token's K/V goes and
+``block_tables`` says which blocks hold each sequence's context. The CPU path gathers each
+sequence's context into a padded batch once per step (indices shared by all layers) and
+runs one masked SDPA per layer: no Python loop over sequences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionBatch:
+    """Where a step's tokens read and write the paged KV pool."""
+
+    slot_mapping: torch.Tensor      # [T] int64: KV slot of each new token
+    block_tables: torch.Tensor      # [S, max_blocks] int64 (padded with 0)
+    seq_lens: torch.Tensor          # [S] int64: context length after this step
+    query_start_loc: torch.Tensor   # [S + 1] int64: cumulative new-token counts
+    block_size: int
+    seq_lens_list: list[int]
+    query_lens_list: list[int]
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+              block_size: int) -> "AttentionBatch":
+        """Build from per-sequence block tables, context lengths and new-token counts."""
+        width = max(len(t) for t in block_tables)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int64)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        qlens = torch.tensor(query_lens, dtype=torch.int64)
+        starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        starts[1:] = torch.cumsum(qlens, 0)
+        # Slot of each new token: its position's block and offset.
+        seq_idx = torch.repeat_interleave(torch.arange(len(seq_lens)), qlens)
+        pos = _positions(lens, qlens, starts)
+        slots = tables[seq_idx, pos // block_size] * block_size + pos % block_size
+        return cls(slots, tables, lens, starts, block_size, list(seq_lens), list(query_lens))
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    def positions(self) -> torch.Tensor:
+        """Absolute position of each new token, [T]."""
+        return _positions(self.seq_lens, torch.tensor(self.query_lens_list), self.query_start_loc)
+
+    # -- CPU gather/mask plan, computed once per step and shared by every layer --------
+    def _plan(self) -> dict:
+        if "plan" in self._cache:
+            return self._cache["plan"]
+        S, bs = self.num_seqs, self.block_size
+        max_k, max_q = max(self.seq_lens_list), max(self.query_lens_list)
+        k_pos = torch.arange(max_k)
+        k_valid = k_pos[None, :] < self.seq_lens[:, None]                      # [S, Lk]
+        blk = self.block_tables.gather(1, (k_pos // bs).clamp(max=self.block_tables.shape[1] - 1)
+                                       .expand(S, -1))
+        context_slots = torch.where(k_valid, blk * bs + k_pos % bs, 0)         # [S, Lk]
+        qlens = torch.tensor(self.query_lens_list)
+        q_off = torch.arange(max_q)
+        q_valid = q_off[None, :] < qlens[:, None]                              # [S, Lq]
+        # Padding query rows sit at the last position so they never see an empty row.
+        q_pos = torch.where(q_valid, self.seq_lens[:, None] - qlens[:, None] + q_off[None, :],
+                            self.seq_lens[:, None] - 1)
+        q_index = torch.where(q_valid, self.query_start_loc[:-1, None] + q_off[None, :], 0)
+        # One sequence whose blocks are consecutive: its context is a plain slice of the pool.
+        contiguous = None
+        if S == 1:
+            table = self.block_tables[0, : -(-max_k // bs)]
+            if bool((table[1:] - table[:-1] == 1).all()):
+                start = int(table[0]) * bs
+                contiguous = (start, start + max_k)
+        plan = dict(max_k=max_k, max_q=max_q, k_valid=k_valid, context_slots=context_slots, contiguous=contiguous,
+                    q_pos=q_pos, q_valid=q_valid, q_index=q_index,
+                    q_flat=q_valid.reshape(-1).nonzero().squeeze(1))
+        self._cache["plan"] = plan
+        return plan
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        """Boolean [S, 1, Lq, Lk] mask (True = attend), or None when all keys are visible."""
+        key = ("mask", sliding_window)
+        if key in self._cache:
+            return self._cache[key]
+        p = self._plan()
+        qp, kp = p["q_pos"][:, :, None], torch.arange(p["max_k"])[None, None, :]
+        needs = p["max_q"] > 1 or self.num_seqs > 1 or (
+            sliding_window is not None and p["max_k"] > sliding_window)
+        m = None
+        if needs:
+            m = (kp <= qp) & p["k_valid"][:, None, :]
+            if sliding_window is not None:
+                m = m & (qp - kp < sliding_window)
+            m = m[:, None]
+        self._cache[key] = m
+        return m
+
+
+def _positions(seq_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    total = int(starts[-1])
+    seq_idx = torch.repeat_interleave(torch.arange(len(seq_lens)), query_lens)
+    offset_in_query = torch.arange(total) - starts[:-1][seq_idx]
+    return seq_lens[seq_idx] - query_lens[seq_idx] + offset_in_query
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             batch: AttentionBatch) -> None:
+    """Store this step's keys/values ``[T, Hk, D]`` at their slots."""
+    k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    batch: AttentionBatch, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of new queries ``q [T, Hq, D]`` over each sequence's cached context.
+
+    Returns ``[T, Hq, Dv]``. The new tokens' K/V must already be written to the cache.
+    """
+    p = batch._plan()
+    S, T = batch.num_seqs, q.shape[0]
+    if p["contiguous"] is not None:
+        a, b = p["contiguous"]
+        k = k_cache[a:b].unsqueeze(0).transpose(1, 2)   # [1, Hk, Lk, D], no copy
+        v = v_cache[a:b].unsqueeze(0).transpose(1, 2)
+    else:
+        k = k_cache[p["context_slots"]].transpose(1, 2)   # [S, Hk, Lk, D]
+        v = v_cache[p["context_slots"]].transpose(1, 2)
+    if S == 1:
+        qp = q.unsqueeze(0).transpose(1, 2)             # [1, Hq, T, D]
+    else:
+        qp = q[p["q_index"]].transpose(1, 2)            # [S, Hq, Lq, D]
+    if k.dtype != qp.dtype:
+        k, v = k.to(qp.dtype), v.to(qp.dtype)
+    mask = batch.mask(sliding_window)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=qp.shape[1] != k.shape[1])
+    out = out.transpose(1, 2)                           # [S, Lq, Hq, Dv]
+    if S == 1:
+        return out[0]
+    return out.reshape(S * p["max_q"], *out.shape[2:])[p["q_flat"]]

@@ -1,0 +1,230 @@
+"""Linear layers and embedding tables over GGUF weights.
+
+``QuantizedLinear`` keeps the weight packed and picks a kernel path per call by the
+number of rows M (see ``lodestar.kernels.cpu_quant`` for the packed forms):
+
+=======================  ==================================  ============================
+weight type              M <= threshold                      larger M
+=======================  ==================================  ============================
+Q4_0, Q4_1, Q4_K         int4 kernel, bf16 activations       dequantize to bf16, bf16 mm
+Q8_0, Q5_0, Q5_1, Q6_K   int8 x int8 per sub-block           dequantize to bf16, bf16 mm
+F32                      fp32 matmul on the bytes            same
+F16, BF16, Q2/3/5_K      dequantize tiles to fp32, fp32 mm   same (exact)
+=======================  ==================================  ============================
+
+``make_linear``/``make_embedding`` build the packed modules (``mode="packed"``) or dense
+ones holding the weight dequantized at load (``"fp32"``, ``"bf16"``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
+from torch import nn
+
+from lodestar.kernels import cpu_quant as cq
+
+T = GGMLQuantizationType
+
+# Largest M that still runs the packed kernel; above it dequantize-then-matmul is faster
+# (scripts/bench_linear.py measures the crossover).
+INT4_KERNEL_MAX_M = 48
+INT8_KERNEL_MAX_M = 48
+
+MODES = ("packed", "fp32", "bf16")
+
+
+def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
+    return GGMLQuantizationType(int(qtype))
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T`` with W kept packed; x and y are float32 ``[..., features]``.
+
+    ``data`` is the weight's GGUF bytes, uint8 ``[out_features, bytes_per_row]``.
+    Q4_* and Q8_0 are repacked once (same size); other types keep ``data`` itself.
+    """
+
+    def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor,
+                 in_features: int, out_features: int, *, _storage=None) -> None:
+        super().__init__()
+        qtype = _qtype(qtype)
+        self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
+        if _storage is None:
+            cq.check_bytes(qtype, data, out_features, in_features)
+            _storage = _pack(qtype, data, out_features, in_features)
+        self.storage = _storage
+        if isinstance(_storage, cq.Int4Weight):
+            self.path = "int4"
+            self._small, self._large, self._max_m = cq.int4_matmul, cq.int4_dense_matmul, INT4_KERNEL_MAX_M
+        elif isinstance(_storage, cq.Int8Weight):
+            self.path = "int8"
+            self._small, self._large, self._max_m = cq.int8_matmul, cq.int8_dense_matmul, INT8_KERNEL_MAX_M
+        else:
+            self.path = "fp32" if qtype == T.F32 else "dequant"
+            self._small = self._large = self._dequant_matmul
+            self._max_m = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the packed weight."""
+        s = self.storage
+        return s.nbytes if hasattr(s, "nbytes") and not isinstance(s, torch.Tensor) else s.numel() * s.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            x = x.float()
+        if x.dim() == 2:
+            return (self._small if x.shape[0] <= self._max_m else self._large)(x, self.storage)
+        x2 = x.reshape(-1, self.in_features)
+        fn = self._small if x2.shape[0] <= self._max_m else self._large
+        return fn(x2, self.storage).view(*x.shape[:-1], self.out_features)
+
+    def _dequant_matmul(self, x: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
+        if self.qtype == T.F32:
+            return F.linear(x, storage)
+        if self.qtype in (T.F16, T.BF16):
+            return cq.tiled_matmul(x, self.out_features, self.in_features,
+                                   lambda r0, r1: storage[r0:r1].float())
+        k = self.in_features
+        return cq.tiled_matmul(x, self.out_features, k,
+                               lambda r0, r1: cq.dequantize(storage[r0:r1], self.qtype, (r1 - r0, k)))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W as float32 ``[len(ids), in_features]``, exactly as gguf.
+
+        Not available for the int4 form, whose bf16 scales are not exact.
+        """
+        s = self.storage
+        if isinstance(s, cq.Int8Weight):
+            return cq.int8_rows(s, ids)
+        if isinstance(s, cq.Int4Weight):
+            raise TypeError("int4-packed weights have no exact rows; keep the GGUF bytes for lookups")
+        if self.qtype in cq.FLOAT_TYPES:
+            return s.index_select(0, ids).float()
+        return cq.dequantize(s.index_select(0, ids), self.qtype, (ids.numel(), self.in_features))
+
+    @property
+    def rows_exact(self) -> bool:
+        return not isinstance(self.storage, cq.Int4Weight)
+
+    def extra_repr(self) -> str:
+        return (f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"path={self.path}, bytes={self.nbytes}")
+
+
+def _pack(qtype: GGMLQuantizationType, data: torch.Tensor, n: int, k: int):
+    if qtype in cq.INT4_TYPES:
+        return cq.int4_pack(qtype, data, n, k)
+    if qtype in cq.INT8_TYPES:
+        return cq.int8_pack(qtype, data, n, k)
+    if qtype in cq.FLOAT_TYPES:
+        return cq.float_view(qtype, data, n, k)
+    return data
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding over GGUF bytes ``[num_embeddings, bytes_per_row]``.
+
+    ``forward(ids)`` dequantizes only the gathered rows, bit-identical to gguf.
+    ``as_linear()`` returns the tied output head. For Q8_0 (and the byte-kept types) the
+    head and the table then share one storage and the GGUF bytes are released; an int4
+    head keeps the GGUF bytes beside it because its bf16 scales cannot give exact rows.
+    """
+
+    def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor,
+                 num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        qtype = _qtype(qtype)
+        cq.check_bytes(qtype, data, num_embeddings, dim)
+        self.qtype, self.num_embeddings, self.dim = qtype, num_embeddings, dim
+        self.data: torch.Tensor | None = data
+        self._head: QuantizedLinear | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self.data is None:
+            rows = self._head.rows(flat)
+        elif self.qtype in cq.FLOAT_TYPES:
+            rows = cq.float_view(self.qtype, self.data.index_select(0, flat), flat.numel(), self.dim).float()
+        else:
+            rows = cq.dequantize(self.data.index_select(0, flat), self.qtype, (flat.numel(), self.dim))
+        return rows.view(*ids.shape, self.dim)
+
+    def as_linear(self) -> QuantizedLinear:
+        """The same table as a ``[dim -> num_embeddings]`` linear (tied output head)."""
+        if self._head is None:
+            self._head = QuantizedLinear(self.qtype, self.data, self.dim, self.num_embeddings)
+            if self._head.rows_exact:
+                self.data = None
+        return self._head
+
+    @property
+    def nbytes(self) -> int:
+        own = self.data.numel() if self.data is not None else 0
+        return own + (self._head.nbytes if self._head is not None else 0)
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype.name}, num_embeddings={self.num_embeddings}, dim={self.dim}, tied={self._head is not None}"
+
+
+class DenseLinear(nn.Module):
+    """``y = x @ W.T`` with W dense in fp32 or bf16; x and y are float32."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight).float()
+
+
+class DenseEmbedding(nn.Module):
+    """Embedding table dense in fp32 or bf16; rows come back float32."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.num_embeddings, self.dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight).float()
+
+    def as_linear(self) -> DenseLinear:
+        return DenseLinear(self.weight)
+
+
+def _dense_weight(qtype: GGMLQuantizationType, data: torch.Tensor, rows: int, cols: int,
+                  mode: str) -> torch.Tensor:
+    cq.check_bytes(qtype, data, rows, cols)
+    if qtype in cq.FLOAT_TYPES:
+        w = cq.float_view(qtype, data, rows, cols)
+    else:
+        w = cq.dequantize(data, qtype, (rows, cols))
+    return w.to(torch.bfloat16 if mode == "bf16" else torch.float32).contiguous()
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown weight mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def make_linear(qtype: GGMLQuantizationType | int, data: torch.Tensor, in_features: int,
+                out_features: int, mode: str = "packed") -> nn.Module:
+    """A linear layer over GGUF bytes: packed (``QuantizedLinear``) or dense fp32/bf16."""
+    _check_mode(mode)
+    qtype = _qtype(qtype)
+    if mode == "packed":
+        return QuantizedLinear(qtype, data, in_features, out_features)
+    return DenseLinear(_dense_weight(qtype, data, out_features, in_features, mode))
+
+
+def make_embedding(qtype: GGMLQuantizationType | int, data: torch.Tensor, num_embeddings: int,
+                   dim: int, mode: str = "packed") -> nn.Module:
+    """An embedding table over GGUF bytes: packed (``QuantizedEmbedding``) or dense."""
+    _check_mode(mode)
+    qtype = _qtype(qtype)
+    if mode == "packed":
+        return QuantizedEmbedding(qtype, data, num_embeddings, dim)
+    return DenseEmbedding(_dense_weight(qtype, data, num_embeddings, dim, mode))

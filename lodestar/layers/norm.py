@@ -1,0 +1,38 @@
+"""RMSNorm variants, written to match the reference implementations' fp32 arithmetic."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Llama-style RMSNorm: ``weight * (x / rms(x))`` computed in fp32."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma-style RMSNorm: ``(x / rms(x)) * (1 + w)``.
+
+    GGUF files store ``1 + w`` already; the reference loader subtracts 1 and adds it back
+    at run time, so we do the same once at load to get its exact fp32 rounding.
+    """
+
+    def __init__(self, stored_weight: torch.Tensor, eps: float) -> None:
+        w = stored_weight.float() - 1.0
+        super().__init__(1.0 + w, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight).to(dtype)

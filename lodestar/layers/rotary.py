@@ -1,0 +1,59 @@
+"""Rotary position embeddings (NeoX / rotate-half layout)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position.
+
+    The tables are built with the same fp32 arithmetic as the reference
+    (``inv_freq = 1 / base ** (arange(0, d, 2) / d)``, ``freqs = pos * inv_freq``) so
+    rotated queries and keys match it bit for bit. ``freq_factors`` (GGUF
+    ``rope_freqs.weight``) divide the base frequencies, as llama.cpp does.
+    """
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        base: float,
+        max_positions: int,
+        freq_factors: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.float()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.max_positions = 0
+        self._extend(max_positions)
+
+    def _extend(self, n: int) -> None:
+        pos = torch.arange(n, dtype=torch.float32)
+        freqs = (self.inv_freq[:, None] @ pos[None, :]).T  # [n, d/2], as the reference's matmul
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.max_positions = n
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``positions [T]``."""
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            self._extend(max(int(positions.max()) + 1, 2 * self.max_positions))
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    if rotary_dim == x.shape[-1]:
+        return (x * cos) + (_rotate_half(x) * sin)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat(((rot * cos) + (_rotate_half(rot) * sin), rest), dim=-1)

@@ -1,0 +1,107 @@
+"""Gemma 3 text decoder.
+
+Differences from Llama: embeddings scaled by sqrt(d_model); RMSNorm as ``x * (1 + w)``
+before *and after* attention and MLP; q/k RMSNorm per head; GeGLU (tanh GELU) MLP;
+five sliding-window layers (local rope base) for every global layer; tied head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lodestar.formats.config import ModelConfig
+from lodestar.layers.attention import AttentionBatch
+from lodestar.layers.norm import OffsetRMSNorm
+from lodestar.layers.rotary import RotaryEmbedding
+from lodestar.models.llama import LlamaArgs, LlamaAttention
+from lodestar.models.weights import WeightLoader, split_fused
+
+
+@dataclass(frozen=True)
+class Gemma3Args:
+    base: LlamaArgs
+    sliding_window: int
+    sliding_window_pattern: int     # every n-th layer is global
+    rope_local_theta: float
+    query_pre_attn_scalar: float
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "Gemma3Args":
+        e = cfg.extra
+        return cls(
+            base=LlamaArgs.from_config(cfg),
+            sliding_window=cfg.sliding_window or 4096,
+            sliding_window_pattern=int(e.get("sliding_window_pattern", 6)),
+            rope_local_theta=float(e.get("rope_local_theta", 10000.0)),
+            query_pre_attn_scalar=float(e.get("query_pre_attn_scalar", cfg.head_dim)),
+        )
+
+    def is_global(self, i: int) -> bool:
+        return (i + 1) % self.sliding_window_pattern == 0
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, a: LlamaArgs, w: WeightLoader, i: int) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        gu = w.linears([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.gate_up = nn.ModuleList(gu) if isinstance(gu, list) else gu
+        self.down = w.linear(p + "ffn_down.weight")
+        self.ffn_dim = a.ffn_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
+        return self.down(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3Block(nn.Module):
+    def __init__(self, g: Gemma3Args, w: WeightLoader, i: int, rope_global: RotaryEmbedding,
+                 rope_local: RotaryEmbedding) -> None:
+        super().__init__()
+        a, p = g.base, f"blk.{i}."
+        glob = g.is_global(i)
+        self.attn_norm = OffsetRMSNorm(w.vector(p + "attn_norm.weight"), a.rms_eps)
+        self.attn = LlamaAttention(a, w, i, rope_global if glob else rope_local, norm_cls=OffsetRMSNorm,
+                                   sliding_window=None if glob else g.sliding_window,
+                                   scale=g.query_pre_attn_scalar ** -0.5)
+        self.post_attn_norm = OffsetRMSNorm(w.vector(p + "post_attention_norm.weight"), a.rms_eps)
+        self.ffn_norm = OffsetRMSNorm(w.vector(p + "ffn_norm.weight"), a.rms_eps)
+        self.mlp = Gemma3MLP(a, w, i)
+        self.post_ffn_norm = OffsetRMSNorm(w.vector(p + "post_ffw_norm.weight"), a.rms_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        h = x + self.post_attn_norm(self.attn(self.attn_norm(x), positions, batch))
+        return h + self.post_ffn_norm(self.mlp(self.ffn_norm(h)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: WeightLoader) -> None:
+        super().__init__()
+        self.config = cfg
+        g = self.args = Gemma3Args.from_config(cfg)
+        a = g.base
+        n = min(a.context_length, 4096)
+        self.rope_global = RotaryEmbedding(a.rope_dim, a.rope_theta, n)
+        self.rope_local = RotaryEmbedding(a.rope_dim, g.rope_local_theta, n)
+        self.embed = w.embedding("token_embd.weight")
+        self.embed_scale = torch.tensor(a.d_model ** 0.5, dtype=torch.float32)
+        self.layers = nn.ModuleList(Gemma3Block(g, w, i, self.rope_global, self.rope_local)
+                                    for i in range(a.n_layers))
+        self.norm = OffsetRMSNorm(w.vector("output_norm.weight"), a.rms_eps)
+        self.head = w.head("output.weight", self.embed)
+
+    @property
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [blk.attn for blk in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        h = self.embed(input_ids) * self.embed_scale
+        for blk in self.layers:
+            h = blk(h, positions, batch)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()

@@ -1,0 +1,152 @@
+"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), SmolLM.
+
+    h = x + o(attn(rope(q), rope(k), v))      with RMSNorm before attention
+    y = h + down(silu(gate(h')) * up(h'))     with RMSNorm before the MLP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lodestar.formats.config import ModelConfig
+from lodestar.layers.attention import AttentionBatch, paged_attention, write_kv
+from lodestar.layers.norm import RMSNorm
+from lodestar.layers.rotary import RotaryEmbedding
+from lodestar.models.weights import WeightLoader, split_fused
+
+# llama.cpp stores Llama/Mistral q and k rows interleaved for its rope; undo that at load.
+PERMUTED_QK_ARCHS = {"llama", "mistral"}
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    rope_dim: int
+    context_length: int
+    permute_qk: bool
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "LlamaArgs":
+        return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
+                   cfg.vocab_size, cfg.rms_eps, cfg.rope_theta, cfg.rope_dim, cfg.context_length,
+                   cfg.arch in PERMUTED_QK_ARCHS)
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
+    """Row order that turns llama.cpp's interleaved q/k rows back into rotate-half layout."""
+    half = n_rows // n_heads // 2
+    return torch.arange(n_rows).reshape(n_heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, a: LlamaArgs, w: WeightLoader, i: int, rope: RotaryEmbedding,
+                 norm_cls: type[RMSNorm] = RMSNorm, sliding_window: int | None = None,
+                 scale: float | None = None) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.sizes = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim)
+        orders = [unpermute_rows(self.sizes[0], a.n_heads), unpermute_rows(self.sizes[1], a.n_kv_heads),
+                  None] if a.permute_qk else None
+        names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        qkv = w.linears(names, orders)
+        self.qkv = nn.ModuleList(qkv) if isinstance(qkv, list) else qkv
+        bias = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+        self.qkv_bias = None
+        if w.has(bias[0]):
+            bs = [w.vector(n) for n in bias]
+            if a.permute_qk:
+                bs = [b[o] if o is not None else b for b, o in zip(bs, orders)]
+            self.qkv_bias = nn.Parameter(torch.cat(bs), requires_grad=False)
+        self.q_norm = self.k_norm = None
+        if w.has(p + "attn_q_norm.weight"):
+            self.q_norm = norm_cls(w.vector(p + "attn_q_norm.weight"), a.rms_eps)
+            self.k_norm = norm_cls(w.vector(p + "attn_k_norm.weight"), a.rms_eps)
+        self.o = w.linear(p + "attn_output.weight")
+        self.rope = rope
+        self.scale = a.head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = split_fused(self.qkv, x, self.sizes)
+        if self.qkv_bias is not None:
+            q, k, v = (t + b for t, b in zip((q, k, v), self.qkv_bias.split(self.sizes)))
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        write_kv(self.k_cache, self.v_cache, k, v, batch)
+        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
+        return self.o(o.reshape(T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, a: LlamaArgs, w: WeightLoader, i: int) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        gu = w.linears([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.gate_up = nn.ModuleList(gu) if isinstance(gu, list) else gu
+        self.down = w.linear(p + "ffn_down.weight")
+        self.ffn_dim = a.ffn_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
+        return self.down(F.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, a: LlamaArgs, w: WeightLoader, i: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(w.vector(f"blk.{i}.attn_norm.weight"), a.rms_eps)
+        self.attn = LlamaAttention(a, w, i, rope)
+        self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.ffn_norm.weight"), a.rms_eps)
+        self.mlp = LlamaMLP(a, w, i)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), positions, batch)
+        return h + self.mlp(self.ffn_norm(h))
+
+
+class LlamaModel(nn.Module):
+    """Trunk (embedding → blocks → final norm) plus a separate head."""
+
+    def __init__(self, cfg: ModelConfig, w: WeightLoader) -> None:
+        super().__init__()
+        self.config = cfg
+        a = self.args = LlamaArgs.from_config(cfg)
+        freq_factors = w.vector("rope_freqs.weight") if w.has("rope_freqs.weight") else None
+        # One table for all layers; not a registered child of each block.
+        self.rope = RotaryEmbedding(a.rope_dim, a.rope_theta, min(a.context_length, 4096), freq_factors)
+        self.embed = w.embedding("token_embd.weight")
+        self.layers = nn.ModuleList(LlamaBlock(a, w, i, self.rope) for i in range(a.n_layers))
+        self.norm = RMSNorm(w.vector("output_norm.weight"), a.rms_eps)
+        self.head = w.head("output.weight", self.embed)
+
+    @property
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [blk.attn for blk in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for blk in self.layers:
+            h = blk(h, positions, batch)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()

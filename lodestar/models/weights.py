@@ -1,0 +1,90 @@
+"""Turn checkpoint tensors into modules: packed quantized, or dequantized at load."""
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from lodestar.layers import linear as qlinear
+
+WEIGHT_MODES = ("packed", "fp32", "bf16")
+
+
+class TensorSource(Protocol):
+    """What a checkpoint offers: named tensors with qtype, shape, raw data, dequantize()."""
+
+    tensors: dict
+
+
+class WeightLoader:
+    """Builds layers from a checkpoint's tensors in one weight mode.
+
+    ``packed`` keeps GGUF blocks packed (QuantizedLinear); ``fp32``/``bf16`` dequantize at
+    load. Projections that share an input (q|k|v, gate|up) are fused into one matmul when
+    ``fuse`` is set and their types agree; the exact fp32 path keeps them separate so each
+    output is computed exactly as the reference computes it.
+    """
+
+    def __init__(self, source: TensorSource, mode: str = "packed",
+                 on_tensor: Callable[[object], None] | None = None) -> None:
+        if mode not in WEIGHT_MODES:
+            raise ValueError(f"weight mode {mode!r}; choose one of {', '.join(WEIGHT_MODES)}")
+        self.source = source
+        self.mode = mode
+        self.fuse = mode != "fp32"
+        self.on_tensor = on_tensor  # progress hook, called once per tensor read
+
+    def has(self, name: str) -> bool:
+        return name in self.source.tensors
+
+    def tensor(self, name: str):
+        try:
+            t = self.source.tensors[name]
+        except KeyError:
+            raise KeyError(f"checkpoint has no tensor {name!r}") from None
+        if self.on_tensor is not None:
+            self.on_tensor(t)
+        return t
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A small tensor (norm weight, bias) as fp32."""
+        return self.tensor(name).dequantize().float().reshape(-1)
+
+    def linear(self, name: str, row_order: torch.Tensor | None = None) -> nn.Module:
+        t = self.tensor(name)
+        data = t.data if row_order is None else t.data[row_order]
+        out_features, in_features = t.shape
+        return qlinear.make_linear(t.qtype, data, in_features, out_features, self.mode)
+
+    def linears(self, names: Sequence[str], row_orders: Sequence[torch.Tensor | None] | None = None
+                ) -> list[nn.Module] | nn.Module:
+        """Several projections of the same input: one fused module if allowed, else a list."""
+        row_orders = list(row_orders or [None] * len(names))
+        ts = [self.tensor(n) for n in names]
+        same = len({t.qtype for t in ts}) == 1 and len({t.shape[1] for t in ts}) == 1
+        if not (self.fuse and same):
+            return [self.linear(n, r) for n, r in zip(names, row_orders)]
+        parts = [t.data if r is None else t.data[r] for t, r in zip(ts, row_orders)]
+        data = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=0)
+        out_features = sum(t.shape[0] for t in ts)
+        return qlinear.make_linear(ts[0].qtype, data, ts[0].shape[1], out_features, self.mode)
+
+    def embedding(self, name: str) -> nn.Module:
+        t = self.tensor(name)
+        num, dim = t.shape
+        return qlinear.make_embedding(t.qtype, t.data, num, dim, self.mode)
+
+    def head(self, name: str, tied_embedding: nn.Module) -> nn.Module:
+        """The output projection; tied models reuse the embedding's storage."""
+        if self.has(name):
+            return self.linear(name)
+        return tied_embedding.as_linear()
+
+
+def split_fused(module: nn.Module | list[nn.Module], x: torch.Tensor, sizes: Sequence[int]
+                ) -> list[torch.Tensor]:
+    """Apply fused (one module) or separate projections; return one output per part."""
+    if isinstance(module, (list, nn.ModuleList)):
+        return [m(x) for m in module]
+    return list(module(x).split(list(sizes), dim=-1))

@@ -1,0 +1,83 @@
+"""The command line as a user drives it: text on stdout, one-line errors with exit code 2."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+LODESTAR = [sys.executable, "-m", "lodestar.cli"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def run(*args, input=None, timeout=240):
+    return subprocess.run(LODESTAR + list(args), capture_output=True, text=True, input=input,
+                          timeout=timeout, env=ENV)
+
+
+def test_generate_streams_text_and_stats(smollm_path):
+    r = run("generate", "-p", "What is the capital of France?", "-n", "16", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "tok/s" in r.stderr and "tok/s" not in r.stdout
+
+
+def test_generate_raw_gemma(gemma_path):
+    r = run("generate", "-p", "The capital of France is", "--model", "gemma3-270m", "-n", "8", "-q")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout or "capital" in r.stdout
+    assert r.stderr.strip() == "" or "tok/s" not in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "/no/such/file.gguf"], "not found"),
+    (["--model", __file__], "not a GGUF file"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle, smollm_path):
+    r = run("generate", "-p", "hi", *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_prompt_longer_than_context(smollm_path):
+    r = run("generate", "-p", "hello " * 300, "--raw", "--ctx", "256")
+    assert r.returncode == 2
+    assert "exceeds the context of 256" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_models_lists_both(smollm_path, gemma_path):
+    r = run("models")
+    assert r.returncode == 0, r.stderr
+    assert "smollm2-135m" in r.stdout and "gemma3-270m" in r.stdout
+    assert "Q4_1" in r.stdout and "sha256" in r.stdout
+
+
+def test_chat_commands_and_turns(smollm_path):
+    script = "/help\nWhat is 2+2?\n/system Answer in one word.\nName a color.\n/quit\n"
+    r = run("chat", "--temperature", "0", "-n", "24", input=script)
+    assert r.returncode == 0, r.stderr
+    assert "/reset" in r.stderr                      # help text
+    assert "system prompt set" in r.stderr
+    assert r.stderr.count("tok/s") == 2              # one stats line per reply
+    assert len(r.stdout.strip()) > 0
+
+
+def test_chat_ctrl_c_stops_answer_not_program(smollm_path):
+    p = subprocess.Popen(LODESTAR + ["chat", "-n", "2000", "--ignore-eos", "--threads", "1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        p.stdin.write("Tell me a very long story.\n")
+        p.stdin.flush()
+        p.stdout.read(20)                             # the answer is streaming
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        p.stdin.write("/quit\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    assert "interrupted" in err
