@@ -6,15 +6,16 @@ stop conditions. Finished requests free their KV blocks at once.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from lodestar.engine.detokenizer import IncrementalDetokenizer
-from lodestar.engine.kv_cache import BlockPool
+from lodestar.engine.kv_cache import BlockPool, block_hash, prefix_hashes
 from lodestar.engine.loader import LoadedModel
 from lodestar.engine.model_runner import ModelRunner
 from lodestar.engine.sampling import Sampler, SamplerState, SamplingParams
@@ -37,6 +38,7 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None    # default: the model's context, capped at kv_tokens
     kv_tokens: int = 16384              # KV pool capacity in tokens (memory is touched lazily)
+    enable_prefix_cache: bool = True
 
 
 @dataclass
@@ -51,6 +53,7 @@ class RequestOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens whose KV came from the cache
 
 
 @dataclass
@@ -71,13 +74,16 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.config = cfg = config or EngineConfig()
         num_blocks = -(-cfg.kv_tokens // cfg.block_size)
-        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+        # Block hashes are per process and weights: the mode changes the KV values.
+        self.fingerprint = f"{loaded.path.name}:{loaded.mode}"
+        self.stats: Counter = Counter()
         self.runner = ModelRunner(loaded.model, self.pool)
         ctx = loaded.config.context_length
         self.max_model_len = min(cfg.max_model_len or ctx, ctx, num_blocks * cfg.block_size)
         self.sampler = Sampler()
         self._ids = itertools.count()
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.requests: dict[int, Sequence] = {}
         self._skip_ids = frozenset(self.tokenizer.special_ids)
@@ -109,35 +115,94 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- one step ----------------------------------------------------------------
+    # -- scheduling ----------------------------------------------------------------
+    def _attach_prefix(self, seq: Sequence) -> None:
+        """Reuse cached blocks for the longest cached prefix (always leaving one token to run)."""
+        bs = self.pool.block_size
+        hashes = prefix_hashes(seq.token_slice(0, seq.num_tokens), bs, self.fingerprint,
+                               limit=(seq.num_tokens - 1) // bs)
+        hit = self.pool.lookup(hashes)
+        seq.block_table = list(hit)
+        seq.block_hashes = hashes[: len(hit)]
+        seq.num_computed = len(hit) * bs
+        if not seq.output_ids:          # a first admission, not a recompute after preemption
+            seq.cached_tokens = seq.num_computed
+            self.stats["prompt_tokens"] += len(seq.prompt_ids)
+            self.stats["cached_tokens"] += seq.num_computed
+
+    def _reserve(self, seq: Sequence, num_tokens: int, protected: set[int]) -> bool:
+        """Blocks for ``num_tokens`` tokens of ``seq``, preempting newer requests if needed."""
+        need = self.pool.blocks_needed(num_tokens) - len(seq.block_table)
+        while need > self.pool.num_free:
+            holders = [s for s in self.running + self.waiting
+                       if s.block_table and s.seq_id > seq.seq_id and s.seq_id not in protected]
+            if not holders:
+                return False
+            self._preempt(max(holders, key=lambda s: s.seq_id))
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a request's KV; it waits again and recomputes (cheaply, from cached blocks)."""
+        self.pool.free(seq.block_table)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq not in self.waiting:
+            bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
+        seq.status = SequenceStatus.WAITING
+        self.stats["preemptions"] += 1
+
     def _schedule(self) -> tuple[list[Sequence], list[int]]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         rows: list[Sequence] = []
         counts: list[int] = []
-        for seq in self.running:                      # decode rows first: one token each
+        scheduled: set[int] = set()
+        for seq in sorted(self.running, key=lambda s: s.seq_id):   # decode rows first, oldest first
             if budget <= 0:
                 break
+            if seq not in self.running:                             # preempted by an older one
+                continue
+            if not self._reserve(seq, seq.num_computed + 1, scheduled):
+                self._preempt(seq)
+                continue
             rows.append(seq)
             counts.append(1)
+            scheduled.add(seq.seq_id)
             budget -= 1
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_computed == 0 and not seq.block_table:
+                self._attach_prefix(seq)
             todo = seq.num_tokens - seq.num_computed
             chunk = min(todo, budget)
-            need = self.pool.blocks_needed(seq.num_computed + chunk) - len(seq.block_table)
-            if need > self.pool.num_free:
-                break
+            if not self._reserve(seq, seq.num_computed + chunk, scheduled):
+                fit = (len(seq.block_table) + self.pool.num_free) * self.pool.block_size - seq.num_computed
+                chunk = min(chunk, fit)
+                if chunk <= 0 or not self._reserve(seq, seq.num_computed + chunk, scheduled):
+                    break
             rows.append(seq)
             counts.append(chunk)
+            scheduled.add(seq.seq_id)
             budget -= chunk
             if chunk == todo:                         # prompt complete after this step
-                self.waiting.popleft()
+                self.waiting.pop(0)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
             else:
                 break                                 # chunked: the rest next step
         return rows, counts
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.pool.block_size
+        full = seq.num_computed // bs
+        for j in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = block_hash(parent, seq.token_slice(j * bs, (j + 1) * bs), self.fingerprint)
+            seq.block_hashes.append(h)
+            self.pool.register(seq.block_table[j], h)
 
     def step(self) -> list[RequestOutput]:
         rows, counts = self._schedule()
@@ -145,6 +210,8 @@ class LLMEngine:
             return []
         wants = [s.num_computed + n == s.num_tokens for s, n in zip(rows, counts)]
         logits = self.runner.run(rows, counts, wants)
+        for s in rows:
+            self._register_full_blocks(s)
         sampled = [s for s, w in zip(rows, wants) if w]
         if not sampled:
             return []
@@ -170,7 +237,7 @@ class LLMEngine:
             text += seq.detokenizer.flush()
             self._finish(seq, reason)
         return RequestOutput(seq.seq_id, [tok], text, reason is not None, reason, lp,
-                             len(seq.prompt_ids), len(seq.output_ids))
+                             len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

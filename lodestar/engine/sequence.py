@@ -24,6 +24,9 @@ class Sequence:
     finish_reason: str | None = None       # "stop" | "length" | "abort"
     sampler_state: Any = None
     detokenizer: Any = None
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of its full blocks
+    cached_tokens: int = 0                 # prompt tokens reused from the prefix cache
+    arrival: float = 0.0
 
     @property
     def num_tokens(self) -> int:
