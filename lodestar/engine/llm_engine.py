@@ -22,6 +22,11 @@ from lodestar.engine.sampling import Sampler, SamplerState, SamplingParams
 from lodestar.engine.sequence import Sequence, SequenceStatus
 
 
+def _slots(blocks: list[int], block_size: int) -> torch.Tensor:
+    b = torch.tensor(blocks, dtype=torch.int64)
+    return (b[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+
+
 class ContextLengthError(ValueError):
     """A prompt (plus at least one new token) does not fit the context."""
 
@@ -39,6 +44,9 @@ class EngineConfig:
     max_model_len: int | None = None    # default: the model's context, capped at kv_tokens
     kv_tokens: int = 16384              # KV pool capacity in tokens (memory is touched lazily)
     enable_prefix_cache: bool = True
+    kv_dir: str | None = None           # disk tier folder (None: no disk tier)
+    disk_min_tokens: int = 256          # checkpoint prefixes of at least this many tokens
+    disk_max_bytes: int = 4 << 30
 
 
 @dataclass
@@ -53,7 +61,9 @@ class RequestOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0          # prompt tokens whose KV came from the cache
+    cached_tokens: int = 0          # prompt tokens whose KV came from the cache (memory or disk)
+    cache_read_disk_tokens: int = 0 # ... of which were read from the disk tier
+    cache_write_tokens: int = 0     # tokens of this request checkpointed to the disk tier
 
 
 @dataclass
@@ -78,7 +88,18 @@ class LLMEngine:
         # Block hashes are per process and weights: the mode changes the KV values.
         self.fingerprint = f"{loaded.path.name}:{loaded.mode}"
         self.stats: Counter = Counter()
+        self._block_meta: dict[bytes, tuple[bytes | None, list[int]]] = {}  # hash -> (parent, tokens)
         self.runner = ModelRunner(loaded.model, self.pool)
+        self.disk = None
+        if cfg.kv_dir:
+            from lodestar.engine.disk_cache import DiskKVCache, KVLayout
+            from lodestar.formats.catalog import file_sha256
+            layers = loaded.model.attention_layers
+            layout = KVLayout(file_sha256(loaded.path), loaded.mode,
+                              str(layers[0].k_cache.dtype).removeprefix("torch."), cfg.block_size,
+                              tuple((l.n_kv_heads, l.head_dim) for l in layers))
+            self.disk = DiskKVCache(cfg.kv_dir, layout, cfg.disk_max_bytes, cfg.disk_min_tokens)
+        self.pool.on_evict = self._on_evict
         ctx = loaded.config.context_length
         self.max_model_len = min(cfg.max_model_len or ctx, ctx, num_blocks * cfg.block_size)
         self.sampler = Sampler()
@@ -125,10 +146,70 @@ class LLMEngine:
         seq.block_table = list(hit)
         seq.block_hashes = hashes[: len(hit)]
         seq.num_computed = len(hit) * bs
+        if self.disk is not None:
+            self._attach_from_disk(seq, hashes)
         if not seq.output_ids:          # a first admission, not a recompute after preemption
             seq.cached_tokens = seq.num_computed
             self.stats["prompt_tokens"] += len(seq.prompt_ids)
             self.stats["cached_tokens"] += seq.num_computed
+
+    def _attach_from_disk(self, seq: Sequence, hashes: list[bytes]) -> None:
+        bs, have = self.pool.block_size, len(seq.block_table)
+        n = self.disk.find(hashes)
+        if n <= have or n - have > self.pool.num_free:
+            return
+        kv = self.disk.load(hashes[n - 1], seq.token_slice(0, n * bs))
+        if kv is None:
+            return
+        blocks = self.pool.allocate(n - have)
+        slots = _slots(blocks, bs)
+        for layer, (k, v) in zip(self.loaded.model.attention_layers, kv):
+            layer.k_cache[slots] = k[have * bs:].to(layer.k_cache.dtype)
+            layer.v_cache[slots] = v[have * bs:].to(layer.v_cache.dtype)
+        for j, b in enumerate(blocks, start=have):
+            parent = hashes[j - 1] if j else None
+            self._block_meta[hashes[j]] = (parent, seq.token_slice(j * bs, (j + 1) * bs))
+            self.pool.register(b, hashes[j])
+        seq.block_table += blocks
+        seq.block_hashes = hashes[:n]
+        seq.num_computed = n * bs
+        seq.disk_read_tokens = (n - have) * bs
+        self.stats["disk_read_tokens"] += (n - have) * bs
+
+    def _save_to_disk(self, hashes: list[bytes], blocks: list[int]) -> int:
+        """Checkpoint a chain of full blocks (copied now, written in the background)."""
+        bs = self.pool.block_size
+        if self.disk is None or not hashes or len(hashes) * bs < self.disk.min_tokens or self.disk.has(hashes[-1]):
+            return 0
+        tokens = [t for h in hashes for t in self._block_meta[h][1]]
+        slots = _slots(blocks, bs)
+        kv = [(l.k_cache[slots].clone(), l.v_cache[slots].clone()) for l in self.loaded.model.attention_layers]
+        self.disk.save(hashes[-1], tokens, kv)
+        self.stats["disk_write_tokens"] += len(tokens)
+        return len(tokens)
+
+    def _on_evict(self, block: int, evicted: bytes) -> None:
+        """A cached chain is about to lose its tail: keep it on disk if it is long enough."""
+        chain, h = [], evicted
+        while self.disk is not None and h is not None:
+            b = self.pool.cached.get(h)
+            if b is None:
+                chain = []           # an ancestor is gone already: nothing whole to save
+                break
+            chain.append((h, b))
+            h = self._block_meta.get(h, (None, None))[0]
+        if chain:
+            chain.reverse()
+            self._save_to_disk([c[0] for c in chain], [c[1] for c in chain])
+        self._block_meta.pop(evicted, None)
+
+    def close(self) -> None:
+        """Checkpoint running conversations and wait for the disk tier to finish writing."""
+        if self.disk is None:
+            return
+        for seq in self.running:
+            self._save_to_disk(seq.block_hashes, seq.block_table[: len(seq.block_hashes)])
+        self.disk.flush()
 
     def _reserve(self, seq: Sequence, num_tokens: int, protected: set[int]) -> bool:
         """Blocks for ``num_tokens`` tokens of ``seq``, preempting newer requests if needed."""
@@ -202,6 +283,7 @@ class LLMEngine:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = block_hash(parent, seq.token_slice(j * bs, (j + 1) * bs), self.fingerprint)
             seq.block_hashes.append(h)
+            self._block_meta[h] = (parent, seq.token_slice(j * bs, (j + 1) * bs))
             self.pool.register(seq.block_table[j], h)
 
     def step(self) -> list[RequestOutput]:
@@ -210,8 +292,12 @@ class LLMEngine:
             return []
         wants = [s.num_computed + n == s.num_tokens for s, n in zip(rows, counts)]
         logits = self.runner.run(rows, counts, wants)
-        for s in rows:
+        for s, w in zip(rows, wants):
             self._register_full_blocks(s)
+            if w and not s.output_ids and self.disk is not None and \
+                    s.num_computed - s.cached_tokens >= self.disk.min_tokens:
+                # a cold prefill: checkpoint its prompt
+                s.cache_write_tokens = self._save_to_disk(s.block_hashes, s.block_table[: len(s.block_hashes)])
         sampled = [s for s, w in zip(rows, wants) if w]
         if not sampled:
             return []
@@ -237,9 +323,12 @@ class LLMEngine:
             text += seq.detokenizer.flush()
             self._finish(seq, reason)
         return RequestOutput(seq.seq_id, [tok], text, reason is not None, reason, lp,
-                             len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
+                             len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens,
+                             seq.disk_read_tokens, seq.cache_write_tokens)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if reason != "abort":    # the whole conversation so far, for the next turn after a restart
+            self._save_to_disk(seq.block_hashes, seq.block_table[: len(seq.block_hashes)])
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:

@@ -26,6 +26,8 @@ class Sequence:
     detokenizer: Any = None
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of its full blocks
     cached_tokens: int = 0                 # prompt tokens reused from the prefix cache
+    disk_read_tokens: int = 0              # ... of which came from the disk tier
+    cache_write_tokens: int = 0            # tokens checkpointed to the disk tier
     arrival: float = 0.0
 
     @property

@@ -55,6 +55,8 @@ GROUP = 32
 # Row tiles for dequantize-then-matmul keep the temporary weight near 4 MiB of fp32.
 TILE_ELEMENTS = 1 << 20
 
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+
 try:
     from lodestar.kernels.dequant import dequantize as _dequantize_torch
 except ImportError:  # the torch dequantizer is optional; the numpy reference is exact too
@@ -207,7 +209,7 @@ def int4_pack(qtype: GGMLQuantizationType, data: torch.Tensor, n: int, k: int) -
 
 def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """fp32 ``x [M, k] @ W.T`` through torch's int4 kernel (bf16 in, bf16 out)."""
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w.packed, GROUP, w.scales_zeros)
+    y = _INT4_MM(x.to(torch.bfloat16), w.packed, GROUP, w.scales_zeros)
     if y.shape[1] != w.n:
         y = y[:, : w.n]
     return y.float()

@@ -26,10 +26,12 @@ from lodestar.kernels import cpu_quant as cq
 
 T = GGMLQuantizationType
 
-# Largest M that still runs the packed kernel; above it dequantize-then-matmul is faster
-# (scripts/bench_linear.py measures the crossover).
-INT4_KERNEL_MAX_M = 48
-INT8_KERNEL_MAX_M = 48
+# Largest M that still runs the packed kernel; above it dequantize-then-bf16-matmul is
+# faster. Measured crossovers (scripts/bench_linear.py --sweep, 1 and 2 threads): int4
+# M ~ 80-100 on SmolLM2's projections; int8 M ~ 40 on its 49152-row head, where the
+# int32 partials (M x N per sub-block) outgrow the weight bytes.
+INT4_KERNEL_MAX_M = 80
+INT8_KERNEL_MAX_M = 32
 
 MODES = ("packed", "fp32", "bf16")
 
@@ -46,18 +48,16 @@ class QuantizedLinear(nn.Module):
     """
 
     def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor,
-                 in_features: int, out_features: int, *, _storage=None) -> None:
+                 in_features: int, out_features: int) -> None:
         super().__init__()
         qtype = _qtype(qtype)
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
-        if _storage is None:
-            cq.check_bytes(qtype, data, out_features, in_features)
-            _storage = _pack(qtype, data, out_features, in_features)
-        self.storage = _storage
-        if isinstance(_storage, cq.Int4Weight):
+        cq.check_bytes(qtype, data, out_features, in_features)
+        self.storage = _pack(qtype, data, out_features, in_features)
+        if isinstance(self.storage, cq.Int4Weight):
             self.path = "int4"
             self._small, self._large, self._max_m = cq.int4_matmul, cq.int4_dense_matmul, INT4_KERNEL_MAX_M
-        elif isinstance(_storage, cq.Int8Weight):
+        elif isinstance(self.storage, cq.Int8Weight):
             self.path = "int8"
             self._small, self._large, self._max_m = cq.int8_matmul, cq.int8_dense_matmul, INT8_KERNEL_MAX_M
         else:
@@ -69,11 +69,11 @@ class QuantizedLinear(nn.Module):
     def nbytes(self) -> int:
         """Bytes held by the packed weight."""
         s = self.storage
-        return s.nbytes if hasattr(s, "nbytes") and not isinstance(s, torch.Tensor) else s.numel() * s.element_size()
+        return s.numel() * s.element_size() if isinstance(s, torch.Tensor) else s.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            x = x.float()
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
         if x.dim() == 2:
             return (self._small if x.shape[0] <= self._max_m else self._large)(x, self.storage)
         x2 = x.reshape(-1, self.in_features)

@@ -371,14 +371,22 @@ class ToolCallParser:
         return self._fail(out)
 
     def _step_args(self, out: list[ToolEvent]) -> bool:
-        if not self._buf:
+        buf = self._buf
+        if not buf:
             return False
-        end = self._scanner.scan(self._buf)
-        chunk = self._buf if end is None else self._buf[:end]
-        self._buf = self._buf[len(chunk):]
+        limit, cut = len(buf), -1
+        if self._style == "hermes":             # a closing tag inside the arguments cuts them short
+            cut = buf.find(HERMES_END)
+            limit = cut if cut >= 0 else len(buf) - _partial_suffix(buf, HERMES_END)
+        end = self._scanner.scan(buf[:limit])
+        chunk = buf[:limit] if end is None else buf[:end]
+        self._buf = buf[len(chunk):]
         self._args(out, chunk)
         if end is None:
-            return False
+            if cut < 0:
+                return False
+            self._buf = buf[cut + len(HERMES_END):]
+            return self._fail(out)
         self._call.complete = _valid_json(self._call.arguments)
         self._value_done(out)
         return True
@@ -393,7 +401,10 @@ class ToolCallParser:
             return False
         self._obj += self._buf[:end]
         self._buf = self._buf[end:]
-        text = json.loads(self._obj)
+        try:
+            text = json.loads(self._obj)
+        except ValueError:
+            return self._fail(out)
         self._obj = ""
         self._args(out, text)
         self._call.complete = _valid_json(text)

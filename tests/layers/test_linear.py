@@ -86,6 +86,22 @@ def test_quantized_linear_matches_fp32_reference(qtype):
         assert rel(got, x @ w.t()) < TOLERANCE[layer.path], shape
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.F32, T.Q5_K], ids=lambda t: t.name)
+def test_strided_and_half_precision_inputs(qtype):
+    n, k = 64, 256
+    data, w = synthetic(qtype, n, k, seed=6)
+    layer = QuantizedLinear(qtype, data, k, n)
+    wide = torch.randn(3, 2 * k)
+    x = wide[:, ::2]                                   # a strided view, as after a split
+    assert not x.is_contiguous()
+    want = x @ w.t()
+    assert rel(layer(x), want) < TOLERANCE[layer.path]
+    xb = x.bfloat16()
+    got = layer(xb)
+    assert got.dtype == torch.float32
+    assert rel(got, xb.float() @ w.t()) < TOLERANCE[layer.path]
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q5_1], ids=lambda t: t.name)
 def test_large_m_takes_the_dense_path_within_bf16_tolerance(qtype, monkeypatch):
     n, k = 128, 256

@@ -1,0 +1,106 @@
+"""Prometheus text exposition of the server's counters, engine gauges and latency histograms.
+
+Written by hand (the format is a few lines of text) so the server needs no client
+library. Everything is updated from the event loop, so no locks.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DECODE_BUCKETS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, running = [], 0
+        sep = "," if labels else ""
+        for bound, n in zip(self.buckets, self.counts):
+            running += n
+            out.append(f'{name}_bucket{{{labels}{sep}le="{bound:g}"}} {running}')
+        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum{{{labels}}} {self.total:.6f}")
+        out.append(f"{name}_count{{{labels}}} {self.count}")
+        return out
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+@dataclass
+class Metrics:
+    requests: Counter = field(default_factory=Counter)          # (route, status) -> count
+    finished: Counter = field(default_factory=Counter)          # finish reason -> count
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    decode_speed: Histogram = field(default_factory=lambda: Histogram(DECODE_BUCKETS))
+
+    def record_request(self, route: str, status: int) -> None:
+        self.requests[(route, str(status))] += 1
+
+    def record_generation(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                          finish_reason: str, ttft_s: float | None, decode_tok_s: float | None) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += completion_tokens
+        self.cached_tokens += cached_tokens
+        self.finished[finish_reason] += 1
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if decode_tok_s is not None:
+            self.decode_speed.observe(decode_tok_s)
+
+    def render(self, engine_stats: dict, model: str) -> str:
+        m = f'model="{_escape(model)}"'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(samples)
+
+        metric("lodestar_requests_total", "counter", "HTTP requests by route and status.",
+               [f'lodestar_requests_total{{route="{_escape(r)}",status="{s}"}} {n}'
+                for (r, s), n in sorted(self.requests.items())])
+        metric("lodestar_requests_finished_total", "counter", "Engine requests by finish reason.",
+               [f'lodestar_requests_finished_total{{{m},reason="{_escape(r)}"}} {n}'
+                for r, n in sorted(self.finished.items())])
+        metric("lodestar_prompt_tokens_total", "counter", "Prompt tokens processed.",
+               [f"lodestar_prompt_tokens_total{{{m}}} {self.prompt_tokens}"])
+        metric("lodestar_generation_tokens_total", "counter", "Tokens generated.",
+               [f"lodestar_generation_tokens_total{{{m}}} {self.generation_tokens}"])
+        metric("lodestar_cached_prompt_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache.",
+               [f"lodestar_cached_prompt_tokens_total{{{m}}} {self.cached_tokens}"])
+        rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        metric("lodestar_prefix_cache_hit_rate", "gauge", "Cached prompt tokens / prompt tokens since start.",
+               [f"lodestar_prefix_cache_hit_rate{{{m}}} {rate:.6f}"])
+        for key, name, help_ in (("waiting", "lodestar_queue_depth", "Requests waiting to start."),
+                                 ("running", "lodestar_running_sequences", "Sequences being decoded."),
+                                 ("kv_blocks_used", "lodestar_kv_blocks_used", "KV cache blocks in use."),
+                                 ("kv_blocks_total", "lodestar_kv_blocks_total", "KV cache blocks in the pool.")):
+            metric(name, "gauge", help_, [f"{name}{{{m}}} {engine_stats.get(key, 0)}"])
+        metric("lodestar_time_to_first_token_seconds", "histogram", "Time from submission to the first token.",
+               self.ttft.lines("lodestar_time_to_first_token_seconds", m))
+        metric("lodestar_decode_tokens_per_second", "histogram", "Per-request decode speed after the first token.",
+               self.decode_speed.lines("lodestar_decode_tokens_per_second", m))
+        return "\n".join(lines) + "\n"
