@@ -1,4 +1,4 @@
-"""Command line: ``lodestar generate | chat | models | bench``."""
+"""Command line: ``lodestar generate | chat | serve | models | bench``."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="packed: keep quantized blocks packed (fast, small); fp32/bf16: dequantize at load")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--ctx", type=int, default=None, help="context length cap (default: the model's, max 16384)")
+    p.add_argument("--kv-dir", default=None,
+                   help="disk KV tier folder: computed prefixes persist here and are reused after a restart")
+    p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt from scratch")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -58,7 +61,7 @@ def _load_engine(a: argparse.Namespace, progress: bool = True):
     if a.threads:
         torch.set_num_threads(a.threads)
     loaded = load_model(a.model, mode=a.dtype, progress=progress and sys.stderr.isatty())
-    cfg = EngineConfig()
+    cfg = EngineConfig(kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache)
     if a.ctx:
         cfg.max_model_len = a.ctx
         cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
@@ -96,6 +99,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             reason = out.finish_reason
     except KeyboardInterrupt:
         reason = "abort"
+    finally:
+        engine.close()
     t1 = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -147,6 +152,14 @@ def cmd_chat(a: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"lodestar chat — {engine.loaded.path.name} ({engine.loaded.mode}). /help for commands.", file=sys.stderr)
     from dataclasses import replace
+    try:
+        return _chat_loop(engine, session, params, replace)
+    finally:
+        engine.close()
+
+
+def _chat_loop(engine, session, params, replace) -> int:
+    from lodestar.engine.llm_engine import ContextLengthError
     while True:
         try:
             line = input(">>> ")
@@ -195,7 +208,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             session.messages.append({"role": "assistant", "content": "".join(reply)})
             rate = max(n - 1, 0) / max(t1 - (t_first or t1), 1e-9)
-            print(f"[{n} tokens, {rate:.1f} tok/s, first token {((t_first or t1) - t0) * 1000:.0f} ms"
+            cached = out.cached_tokens if n else 0
+            print(f"[{n} tokens, {rate:.1f} tok/s, first token {((t_first or t1) - t0) * 1000:.0f} ms, "
+                  f"prompt {len(ids)} tokens ({cached} cached)"
                   f"{', ' + reason if reason not in (None, 'stop') else ''}]", file=sys.stderr)
         except ContextLengthError as e:
             session.messages.pop()
@@ -247,10 +262,91 @@ def cmd_models(a: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve ----------------------------------------------------------------------
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _served_names(a: argparse.Namespace, path: Path) -> tuple[str, ...]:
+    from lodestar.formats.catalog import ALIASES, KNOWN_MODELS
+    if a.served_model_name:
+        return tuple(dict.fromkeys(a.served_model_name))
+    if a.model in ALIASES or a.model in KNOWN_MODELS:
+        return tuple(dict.fromkeys([ALIASES.get(a.model, a.model), a.model]))
+    return (path.stem,)
+
+
+def _bind(host: str, port: int):
+    import socket
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    api_key = a.api_key or os.environ.get("LODESTAR_API_KEY") or None
+    if not _is_loopback(a.host) and not api_key:
+        raise CLIError(f"refusing to serve on non-loopback address {a.host} without --api-key "
+                       "(or LODESTAR_API_KEY): anyone who can reach it could use the model")
+    sock = _bind(a.host, a.port)  # a busy port fails before the model loads
+
+    import torch
+    import uvicorn
+
+    from lodestar.engine.async_engine import AsyncLLMEngine
+    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
+    from lodestar.engine.loader import load_model
+    from lodestar.serve import ServeConfig, build_app
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    loaded = load_model(a.model, mode=a.dtype, progress=sys.stderr.isatty())
+    cfg = EngineConfig(max_num_seqs=a.max_num_seqs)
+    if a.ctx:
+        cfg.max_model_len = a.ctx
+        cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
+    engine = LLMEngine(loaded, cfg)
+    engine.warmup()
+    aeng = AsyncLLMEngine(engine, max_queued=a.max_queued)
+    names = _served_names(a, loaded.path)
+    config = ServeConfig(model_names=names, api_key=api_key, cors_origins=tuple(a.cors), keepalive_s=a.keepalive)
+    app = build_app(aeng, config)
+    host = f"[{a.host.strip('[]')}]" if ":" in a.host else a.host
+    url = f"http://{host}:{sock.getsockname()[1]}"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(f"lodestar: serving {names[0]} ({loaded.mode}, context {aeng.max_model_len}) at {url}  "
+                      f"[OpenAI: {url}/v1, Anthropic: {url}/v1/messages]", flush=True)
+
+    server = Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        aeng.shutdown()
+        sock.close()
+    return 0
+
+
 # -- bench ----------------------------------------------------------------------
 def cmd_bench(a: argparse.Namespace) -> int:
-    from lodestar.bench import decode as bench_decode
-    return bench_decode.main(a)
+    import importlib
+    module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache"}[a.bench]
+    return importlib.import_module(f"lodestar.bench.{module}").main(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,6 +371,24 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list known and local models")
     m.set_defaults(func=cmd_models)
 
+    s = sub.add_parser("serve", help="HTTP server speaking the OpenAI and Anthropic APIs")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other "
+                   "than loopback needs --api-key)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="model name clients use (repeatable: the first is the id, the rest aliases)")
+    s.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key); also LODESTAR_API_KEY")
+    s.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; '*' for any); off by default")
+    s.add_argument("--max-queued", type=int, default=256, help="waiting requests before 503 (default 256)")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
+    s.add_argument("--keepalive", type=float, default=2.0,
+                   help="seconds between SSE keep-alive comments while no token arrives (default 2)")
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level; info adds one access line per request")
+    s.set_defaults(func=cmd_serve)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     bd = bsub.add_parser("decode", help="load time, prefill and decode speed (vs llama.cpp when installed)")
@@ -286,6 +400,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also measure llama-cpp-python on the same file (auto: when installed)")
     bd.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     bd.set_defaults(func=cmd_bench)
+    bl = bsub.add_parser("serve-load", help="aggregate decode tok/s and TTFT with concurrent streams")
+    _add_model_args(bl)
+    bl.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
+    bl.add_argument("--prompt-len", type=int, default=64)
+    bl.add_argument("--gen-tokens", type=int, default=128)
+    bl.add_argument("--runs", type=int, default=3)
+    bl.add_argument("--json", type=Path, default=None)
+    bl.set_defaults(func=cmd_bench)
+    bc = bsub.add_parser("cache", help="second-turn and after-restart time to first token vs cold")
+    _add_model_args(bc)
+    bc.add_argument("--context", type=int, default=1500, help="conversation length in tokens")
+    bc.add_argument("--runs", type=int, default=3)
+    bc.add_argument("--json", type=Path, default=None)
+    bc.set_defaults(func=cmd_bench)
     return p
 
 

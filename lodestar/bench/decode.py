@@ -34,7 +34,8 @@ class LodestarRunner:
         from lodestar.engine.llm_engine import EngineConfig, LLMEngine
         from lodestar.engine.loader import load_model
         self._load = lambda: LLMEngine(load_model(model, mode=dtype, progress=False),
-                                       EngineConfig(max_num_batched_tokens=max_len, kv_tokens=max_len + 64))
+                                       EngineConfig(max_num_batched_tokens=max_len, kv_tokens=max_len + 64,
+                                                                    enable_prefix_cache=False))
         self.engine = None
 
     def load(self) -> float:

@@ -11,7 +11,7 @@ import asyncio
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from lodestar.engine.llm_engine import LLMEngine, RequestOutput
 from lodestar.engine.sampling import SamplingParams
@@ -39,8 +39,18 @@ class _Submit:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_queued: int = 256) -> None:
-        self.engine = engine
+    """``engine`` is an LLMEngine, or a zero-argument callable that builds one.
+
+    Prefer the callable: the model is then loaded on the engine thread itself. With
+    OpenMP, a second thread running parallel torch code beside a thread that already
+    did (the loader) runs about half as fast on a small CPU; keeping all tensor work on
+    one thread avoids that.
+    """
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_queued: int = 256) -> None:
+        self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
+        self._factory = None if isinstance(engine, LLMEngine) else engine
+        self._ready = threading.Event()
         self.max_queued = max_queued
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -50,6 +60,9 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="lodestar-engine", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self.engine is None:
+            raise self.error
 
     # -- caller side ------------------------------------------------------------
     @property
@@ -97,6 +110,8 @@ class AsyncLLMEngine:
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()   # checkpoint running conversations to the disk tier
 
     def stats(self) -> dict:
         e = self.engine
@@ -123,6 +138,14 @@ class AsyncLLMEngine:
         item.loop.call_soon_threadsafe(_set_result, item.ready, rid)
 
     def _loop(self) -> None:
+        try:
+            if self._factory is not None:
+                self.engine = self._factory()
+        except BaseException as e:
+            self.error = e
+            return
+        finally:
+            self._ready.set()
         try:
             while not self._stop.is_set():
                 block = not self.engine.has_unfinished()

@@ -140,41 +140,43 @@ class LLMEngine:
     def _attach_prefix(self, seq: Sequence) -> None:
         """Reuse cached blocks for the longest cached prefix (always leaving one token to run)."""
         bs = self.pool.block_size
-        hashes = prefix_hashes(seq.token_slice(0, seq.num_tokens), bs, self.fingerprint,
-                               limit=(seq.num_tokens - 1) // bs)
-        hit = self.pool.lookup(hashes)
+        hashes = prefix_hashes(seq.token_slice(0, seq.num_tokens), bs, self.fingerprint)
+        limit = (seq.num_tokens - 1) // bs
+        hit = self.pool.lookup(hashes[:limit])
         seq.block_table = list(hit)
         seq.block_hashes = hashes[: len(hit)]
         seq.num_computed = len(hit) * bs
         if self.disk is not None:
-            self._attach_from_disk(seq, hashes)
+            self._attach_from_disk(seq, hashes, limit)
         if not seq.output_ids:          # a first admission, not a recompute after preemption
             seq.cached_tokens = seq.num_computed
             self.stats["prompt_tokens"] += len(seq.prompt_ids)
             self.stats["cached_tokens"] += seq.num_computed
 
-    def _attach_from_disk(self, seq: Sequence, hashes: list[bytes]) -> None:
+    def _attach_from_disk(self, seq: Sequence, hashes: list[bytes], limit: int) -> None:
+        """Extend the memory hit from the longest checkpoint on disk (it may cover more)."""
         bs, have = self.pool.block_size, len(seq.block_table)
-        n = self.disk.find(hashes)
-        if n <= have or n - have > self.pool.num_free:
+        found = self.disk.find(hashes)
+        use = min(found, limit)
+        if use <= have or use - have > self.pool.num_free:
             return
-        kv = self.disk.load(hashes[n - 1], seq.token_slice(0, n * bs))
+        kv = self.disk.load(hashes[found - 1], seq.token_slice(0, found * bs))
         if kv is None:
             return
-        blocks = self.pool.allocate(n - have)
+        blocks = self.pool.allocate(use - have)
         slots = _slots(blocks, bs)
         for layer, (k, v) in zip(self.loaded.model.attention_layers, kv):
-            layer.k_cache[slots] = k[have * bs:].to(layer.k_cache.dtype)
-            layer.v_cache[slots] = v[have * bs:].to(layer.v_cache.dtype)
+            layer.k_cache[slots] = k[have * bs:use * bs].to(layer.k_cache.dtype)
+            layer.v_cache[slots] = v[have * bs:use * bs].to(layer.v_cache.dtype)
         for j, b in enumerate(blocks, start=have):
             parent = hashes[j - 1] if j else None
             self._block_meta[hashes[j]] = (parent, seq.token_slice(j * bs, (j + 1) * bs))
             self.pool.register(b, hashes[j])
         seq.block_table += blocks
-        seq.block_hashes = hashes[:n]
-        seq.num_computed = n * bs
-        seq.disk_read_tokens = (n - have) * bs
-        self.stats["disk_read_tokens"] += (n - have) * bs
+        seq.block_hashes = hashes[:use]
+        seq.num_computed = use * bs
+        seq.disk_read_tokens = (use - have) * bs
+        self.stats["disk_read_tokens"] += (use - have) * bs
 
     def _save_to_disk(self, hashes: list[bytes], blocks: list[int]) -> int:
         """Checkpoint a chain of full blocks (copied now, written in the background)."""

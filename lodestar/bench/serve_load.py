@@ -1,0 +1,102 @@
+"""``lodestar bench serve-load``: aggregate decode speed and TTFT under concurrent streams.
+
+Drives the same ``AsyncLLMEngine`` the server uses, in-process: N clients start together,
+each with its own prompt, greedy, ``--gen-tokens`` new tokens (EOS ignored). Reports the
+aggregate generated tok/s (all tokens / wall time) and TTFT p50/p95 per concurrency level,
+with the ratio to one stream measured in the same run. Median [min–max] of ``--runs``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import torch
+
+from lodestar.bench.common import Stat, device_info, git_commit
+from lodestar.bench.decode import make_prompt
+
+
+def percentile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+async def _one_level(aeng, prompts: list[list[int]], gen: int) -> tuple[float, list[float]]:
+    from lodestar.engine.sampling import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    ttfts: list[float] = []
+    total = 0
+
+    async def client(ids):
+        nonlocal total
+        t0 = time.perf_counter()
+        first = None
+        async for out in aeng.generate(ids, params):
+            if first is None:
+                first = time.perf_counter()
+                ttfts.append(first - t0)
+            total += len(out.token_ids)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(client(p) for p in prompts))
+    return total / (time.perf_counter() - t), ttfts
+
+
+def run_levels(aeng, tokenizer, levels: list[int], prompt_len: int, gen: int, runs: int) -> dict:
+    """{level: {"tok_s": Stat, "ttft_p50_ms": Stat, "ttft_p95_ms": Stat}} for an AsyncLLMEngine."""
+    base = make_prompt(tokenizer, prompt_len + max(levels))
+    results = {}
+    asyncio.run(_one_level(aeng, [base[:prompt_len]], 8))  # warm-up
+    for n in levels:
+        # distinct prompts (shifted windows) so no request shares another's prefix
+        prompts = [base[i:i + prompt_len] for i in range(n)]
+        r = results[n] = {"tok_s": Stat(), "ttft_p50_ms": Stat(), "ttft_p95_ms": Stat()}
+        for _ in range(runs):
+            tok_s, ttfts = asyncio.run(_one_level(aeng, prompts, gen))
+            r["tok_s"].add(tok_s)
+            r["ttft_p50_ms"].add(1000 * statistics.median(ttfts))
+            r["ttft_p95_ms"].add(1000 * percentile(ttfts, 0.95))
+    return results
+
+
+def make_async_engine(model: str, dtype: str, max_seqs: int):
+    from lodestar.engine.async_engine import AsyncLLMEngine
+    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
+    from lodestar.engine.loader import load_model
+    return AsyncLLMEngine(lambda: LLMEngine(load_model(model, mode=dtype, progress=False),
+                                            EngineConfig(max_num_seqs=max_seqs, enable_prefix_cache=False)))
+
+
+def print_levels(results: dict, title: str) -> None:
+    one = results[min(results)]["tok_s"].median
+    print(title)
+    print(f"{'streams':>8}{'aggregate tok/s':>26}{'vs 1 stream':>13}{'TTFT p50 ms':>24}{'TTFT p95 ms':>24}")
+    for n, r in results.items():
+        print(f"{n:>8}{r['tok_s'].fmt():>26}{r['tok_s'].median / one:>12.2f}x"
+              f"{r['ttft_p50_ms'].fmt(0):>24}{r['ttft_p95_ms'].fmt(0):>24}")
+
+
+def main(a: argparse.Namespace) -> int:
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    aeng = make_async_engine(a.model, a.dtype, max(a.streams))
+    try:
+        results = run_levels(aeng, aeng.tokenizer, a.streams, a.prompt_len, a.gen_tokens, a.runs)
+    finally:
+        aeng.shutdown()
+    print_levels(results, f"\nengine-direct, {aeng.engine.loaded.path.name} ({a.dtype}), prompt {a.prompt_len}, "
+                          f"{a.gen_tokens} new tokens, {torch.get_num_threads()} threads, median [min–max] of {a.runs}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({
+            "bench": "serve-load", "model": aeng.engine.loaded.path.name, "dtype": a.dtype,
+            "prompt_len": a.prompt_len, "gen_tokens": a.gen_tokens, "commit": git_commit(), "device": device_info(),
+            "results": {n: {k: s.as_dict() for k, s in r.items()} for n, r in results.items()}}, indent=1) + "\n")
+    return 0

@@ -1,0 +1,200 @@
+"""The HTTP application: routes of every API, errors in each API's shape, limits, auth, CORS, metrics.
+
+``build_app(engine, config)`` takes a running ``AsyncLLMEngine`` (or any object with the
+same ``generate`` / ``stats`` / ``tokenizer`` / ``max_model_len`` interface) so tests can
+serve a scripted engine double.
+"""
+from __future__ import annotations
+
+import datetime
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from lodestar.serve import anthropic_messages, openai_chat, openai_completions, openai_responses
+from lodestar.serve.auth import APIKeyMiddleware
+from lodestar.serve.errors import APIError, as_api_error, error_response
+from lodestar.serve.state import ClientDisconnected, ServeConfig, ServeState, get_state
+
+PLACEHOLDER_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>lodestar</title></head>
+<body><h1>lodestar</h1><p>Serving <code>{model}</code>. OpenAI-compatible API at <code>/v1</code>,
+Anthropic Messages at <code>/v1/messages</code>, API reference at <a href="/docs">/docs</a>.</p></body></html>
+"""
+
+
+class BodyLimitMiddleware:
+    """Reads request bodies up front, refusing those over ``limit`` bytes with 413."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        too_big = APIError(413, f"The request body is larger than {self.limit} bytes.", code="request_too_large")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await error_response(path, too_big)(scope, receive, send)
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await error_response(path, too_big)(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()      # after the body: wait for the disconnect
+
+        await self.app(scope, replay, send)
+
+
+class MetricsMiddleware:
+    """Counts responses by route template and status."""
+
+    def __init__(self, app, state: ServeState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            self.state.metrics.record_request(getattr(route, "path", None) or "other", status)
+
+
+def _field(loc) -> str:
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "body"
+
+
+def build_app(engine, config: ServeConfig | None = None) -> FastAPI:
+    config = config or ServeConfig()
+    state = ServeState(engine, config)
+    app = FastAPI(title="lodestar", version="0.1.0",
+                  description="Local LLM server speaking the OpenAI and Anthropic APIs.")
+    app.state.serve = state
+    for module in (openai_chat, openai_completions, openai_responses, anthropic_messages):
+        app.include_router(module.router)
+
+    @app.get("/health", tags=["Server"], summary="Liveness and engine load")
+    async def health(request: Request):
+        s = get_state(request)
+        if getattr(s.engine, "error", None) is not None:
+            return JSONResponse({"status": "error", "error": str(s.engine.error)}, status_code=503)
+        return {"status": "ok", "model": s.model_id, **s.engine.stats()}
+
+    def model_card(s: ServeState, name: str) -> dict:
+        # One object readable by both SDKs: OpenAI's model fields plus Anthropic's ModelInfo fields.
+        created_at = datetime.datetime.fromtimestamp(s.config.created, datetime.timezone.utc)
+        return {"id": name, "object": "model", "created": s.config.created, "owned_by": "lodestar",
+                "type": "model", "display_name": name, "created_at": created_at.isoformat().replace("+00:00", "Z"),
+                "max_model_len": s.engine.max_model_len}
+
+    @app.get("/v1/models", tags=["Models"], summary="List the served models")
+    async def list_models(request: Request):
+        s = get_state(request)
+        names = s.config.model_names
+        return {"object": "list", "data": [model_card(s, n) for n in names], "has_more": False,
+                "first_id": names[0], "last_id": names[-1]}
+
+    @app.get("/v1/models/{model_id:path}", tags=["Models"], summary="Describe one served model")
+    async def get_model(model_id: str, request: Request):
+        s = get_state(request)
+        return model_card(s, s.check_model(model_id, "model_id"))
+
+    @app.get("/metrics", tags=["Server"], summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def metrics(request: Request):
+        s = get_state(request)
+        return PlainTextResponse(s.metrics.render(s.engine.stats(), s.model_id),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    static = config.static_dir
+
+    @app.get("/", include_in_schema=False)
+    async def index(request: Request):
+        page = static / "index.html" if static is not None else None
+        if page is not None and page.is_file():
+            return HTMLResponse(page.read_text(encoding="utf-8"))
+        return HTMLResponse(PLACEHOLDER_PAGE.format(model=get_state(request).model_id))
+
+    if static is not None and static.is_dir():
+        app.mount("/static", StaticFiles(directory=static), name="static")
+
+    # -- errors in each API's own shape ----------------------------------------------------
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            err = APIError(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+                           param="body")
+        else:
+            where = _field(first.get("loc", ()))
+            more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+            err = APIError(400, f"Invalid request: {where}: {first.get('msg')}{more}", param=where)
+        return error_response(request.url.path, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else "HTTP error"
+        if exc.status_code == 404:
+            message = f"No route {request.method} {request.url.path}."
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        return error_response(request.url.path, APIError(exc.status_code, message))
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        return error_response(request.url.path, as_api_error(exc))
+
+    # Outermost last: CORS wraps everything, so even 401 and 413 answers carry its headers.
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, state=state)
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
+    return app
