@@ -310,16 +310,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from lodestar.engine.llm_engine import EngineConfig, LLMEngine
     from lodestar.engine.loader import load_model
     from lodestar.serve import ServeConfig, build_app
+    def build_engine() -> LLMEngine:  # runs on the engine thread, which then owns all tensor work
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        cfg = EngineConfig(max_num_seqs=a.max_num_seqs, kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache)
+        if a.ctx:
+            cfg.max_model_len = a.ctx
+            cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
+        engine = LLMEngine(load_model(a.model, mode=a.dtype, progress=sys.stderr.isatty()), cfg)
+        engine.warmup()
+        return engine
+
     if a.threads:
         torch.set_num_threads(a.threads)
-    loaded = load_model(a.model, mode=a.dtype, progress=sys.stderr.isatty())
-    cfg = EngineConfig(max_num_seqs=a.max_num_seqs)
-    if a.ctx:
-        cfg.max_model_len = a.ctx
-        cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
-    engine = LLMEngine(loaded, cfg)
-    engine.warmup()
-    aeng = AsyncLLMEngine(engine, max_queued=a.max_queued)
+    aeng = AsyncLLMEngine(build_engine, max_queued=a.max_queued)
+    loaded = aeng.engine.loaded
     names = _served_names(a, loaded.path)
     config = ServeConfig(model_names=names, api_key=api_key, cors_origins=tuple(a.cors), keepalive_s=a.keepalive)
     app = build_app(aeng, config)
@@ -336,6 +341,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     server = Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it handled; the shutdown was clean
+        pass
     finally:
         aeng.shutdown()
         sock.close()

@@ -1,26 +1,35 @@
 """Micro-benchmark of the CPU linear paths on SmolLM2-135M's real weights.
 
-    .venv/bin/python scripts/bench_linear.py [--threads 2] [--repeats 7] [--sweep]
+    .venv/bin/python scripts/bench_linear.py [--threads 2] [--repeats 9] [--sweep] [--gemma] [--dense]
 
-Prints min / median / max milliseconds per call for every projection shape and path at
-M = 1, 128, 1024 (each call cycles through the 30 layers' weights so the caches see a
-model's worth of bytes, as in decoding), the crossover sweep behind the M thresholds in
-``lodestar/layers/linear.py`` (``--sweep``), the total linear time of one decode step
-and of prefill chunks, and the RSS the packed weights add.
+Prints min / median / max milliseconds for:
+* every projection shape and the tied Q8_0 head, per path, at M = 1, 128, 1024 (a sample
+  is one call on each of the 30 layers' weights, so the caches see a model's worth of
+  bytes as in decoding; times are per call);
+* ``--sweep``: the kernel-vs-dequantize crossover behind the M thresholds in
+  ``lodestar/layers/linear.py``;
+* one decode step (M=1: 210 projections + head) and prefill chunks of 128 and 1024 rows
+  through the modules, with the path each picks;
+* ``--gemma``: Gemma-3-270M's projections at M=1, by weight type;
+* ``--dense``: the same decode step with the weights dense in bf16 and fp32;
+and the RSS the packed weights add. The load average is printed first and last: on a
+shared machine, compare runs taken at similar load, and trust minimums over medians.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from lodestar.formats.catalog import known_model_path
+from lodestar.formats.catalog import ModelNotFoundError, known_model_path
 from lodestar.kernels import cpu_quant as cq
 from lodestar.layers.linear import (
     INT4_KERNEL_MAX_M,
@@ -31,15 +40,16 @@ from lodestar.layers.linear import (
 )
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+Raw = dict[str, tuple[GGMLQuantizationType, torch.Tensor, int, int]]
 
 
-def rss_kb() -> dict[str, int]:
+def rss_mib() -> dict[str, float]:
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0])
+                out[key] = int(value.split()[0]) / 1024
     return out
 
 
@@ -59,165 +69,177 @@ def fmt(t: tuple[float, float, float]) -> str:
     return f"{t[0]:9.3f} {t[1]:9.3f} {t[2]:9.3f}"
 
 
-def raw_tensors(path) -> tuple[GGUFReader, dict[str, tuple[GGMLQuantizationType, torch.Tensor, int, int]]]:
+def raw_tensors(path) -> tuple[GGUFReader, Raw]:
+    """2-D tensors of a GGUF file as (type, uint8 bytes [rows, bytes_per_row], rows, cols)."""
     reader = GGUFReader(path)
     out = {}
-    for t in reader.tensors:
-        if len(t.shape) != 2:
-            continue
-        k, n = int(t.shape[0]), int(t.shape[1])
-        raw = t.data.view(np.uint8).reshape(n, -1)
-        out[t.name] = (GGMLQuantizationType(t.tensor_type), torch.from_numpy(raw), n, k)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only mmap: torch warns, nothing writes to it
+        for t in reader.tensors:
+            if len(t.shape) == 2:
+                k, n = int(t.shape[0]), int(t.shape[1])
+                raw = t.data.view(np.uint8).reshape(n, -1)
+                out[t.name] = (GGMLQuantizationType(t.tensor_type), torch.from_numpy(raw), n, k)
     return reader, out
 
 
-def per_call(mods: list[torch.nn.Module], fn, m: int, k: int, repeats: int) -> tuple[float, float, float]:
-    """Per-call time of ``fn(x, module)`` cycling through ``mods`` (one pass = one sample)."""
+def per_call(mods: list, fn: Callable, m: int, k: int, repeats: int) -> tuple[float, float, float]:
+    """Per-call time of ``fn(x, module)``, one sample being a pass over ``mods``."""
     x = torch.randn(m, k)
     t = timed(lambda: [fn(x, mod) for mod in mods], repeats)
-    return tuple(v / len(mods) for v in t)
+    return t[0] / len(mods), t[1] / len(mods), t[2] / len(mods)
+
+
+def build_layers(raw: Raw, mode: str = "packed") -> tuple[dict[str, list], torch.nn.Module]:
+    layers = {p: [] for p in PROJECTIONS}
+    i = 0
+    while f"blk.{i}.attn_q.weight" in raw:
+        for p in PROJECTIONS:
+            qtype, data, n, k = raw[f"blk.{i}.{p}.weight"]
+            layers[p].append(make_linear(qtype, data, k, n, mode))
+        i += 1
+    qtype, data, n, k = raw["token_embd.weight"]
+    head = QuantizedEmbedding(qtype, data, n, k).as_linear() if mode == "packed" else make_linear(
+        qtype, data, k, n, mode)
+    return layers, head
+
+
+def model_pass(layers: dict[str, list], head, m: int) -> Callable[[], None]:
+    """All projections at M rows (inputs stand in for the activations) + head on one row."""
+    x, xf = torch.randn(m, 576), torch.randn(m, 1536)
+    last = x[-1:]
+    n_layers = len(layers["attn_q"])
+
+    def run() -> None:
+        for i in range(n_layers):
+            for p in PROJECTIONS:
+                layers[p][i](xf if p == "ffn_down" else x)
+        head(last)
+    return run
+
+
+def shapes_and_paths(layers: dict[str, list], head, repeats: int) -> None:
+    print("\nper call, ms (min median max); a sample runs each of the 30 layers' weights once")
+    print(f"{'shape':24s} {'path':16s} {'M':>5s} {'min':>9s} {'median':>9s} {'max':>9s}")
+    for p in PROJECTIONS:
+        mods = layers[p]
+        n, k = mods[0].out_features, mods[0].in_features
+        for m in (1, 128, 1024):
+            for name, fn in (("int4-kernel", cq.int4_matmul), ("int4-dequant-bf16", cq.int4_dense_matmul)):
+                sub = mods if m <= 128 else mods[:6]
+                t = per_call(sub, lambda x, mod, fn=fn: fn(x, mod.storage), m, k, repeats)
+                print(f"{f'{p} {n}x{k}':24s} {name:16s} {m:5d} {fmt(t)}")
+    for m in (1, 128, 1024):
+        for name, fn in (("int8-kernel", cq.int8_matmul), ("int8-dequant-bf16", cq.int8_dense_matmul)):
+            if m == 1024 and name == "int8-kernel":
+                continue  # tens of seconds, and never picked
+            t = per_call([head], lambda x, mod, fn=fn: fn(x, mod.storage), m, head.in_features,
+                         max(3, repeats // 2))
+            print(f"{'head 49152x576':24s} {name:16s} {m:5d} {fmt(t)}")
+
+
+def sweep(layers: dict[str, list], head, repeats: int) -> None:
+    print("\ncrossover sweep, per call ms (min / median)")
+    for p in ("attn_q", "ffn_up", "ffn_down"):
+        mods = layers[p][:10]
+        k = mods[0].in_features
+        for m in (16, 32, 48, 64, 80, 96, 128, 192):
+            a = per_call(mods, lambda x, mod: cq.int4_matmul(x, mod.storage), m, k, repeats)
+            b = per_call(mods, lambda x, mod: cq.int4_dense_matmul(x, mod.storage), m, k, repeats)
+            print(f"  {p:12s} M={m:4d}  int4-kernel {a[0]:7.3f} / {a[1]:7.3f}   "
+                  f"int4-dequant-bf16 {b[0]:7.3f} / {b[1]:7.3f}")
+    for m in (1, 2, 4, 8, 16, 24, 32, 48, 64):
+        a = per_call([head], lambda x, mod: cq.int8_matmul(x, mod.storage), m, 576, max(3, repeats // 2))
+        b = per_call([head], lambda x, mod: cq.int8_dense_matmul(x, mod.storage), m, 576, max(3, repeats // 2))
+        print(f"  {'head':12s} M={m:4d}  int8-kernel {a[0]:7.3f} / {a[1]:7.3f}   "
+              f"int8-dequant-bf16 {b[0]:7.3f} / {b[1]:7.3f}")
 
 
 def gemma_by_type(repeats: int) -> None:
     """One M=1 pass over Gemma-3-270M's projections, summed by weight type."""
     try:
         path = known_model_path("gemma3-270m")
-    except FileNotFoundError as e:
+    except ModelNotFoundError as e:
         print(f"\ngemma skipped: {e}")
         return
     reader, raw = raw_tensors(path)
     mods = [QuantizedLinear(q, d, k, n) for name, (q, d, n, k) in raw.items() if name.startswith("blk.")]
     del reader, raw
-    print(f"\nGemma-3-270M projections at M=1 (median of {repeats}), packed {sum(m.nbytes for m in mods) / 2**20:.1f} MiB")
+    packed = sum(m.nbytes for m in mods) / 2**20
+    print(f"\nGemma-3-270M projections at M=1, packed {packed:.1f} MiB; ms per token (min median max)")
     total = 0.0
     for qtype in sorted({m.qtype for m in mods}, key=lambda t: t.name):
         group = [m for m in mods if m.qtype == qtype]
         xs = {k: torch.randn(1, k) for k in {m.in_features for m in group}}
         t = timed(lambda g=group: [m(xs[m.in_features]) for m in g], repeats)
         total += t[1]
-        print(f"  {qtype.name:5s} x{len(group):3d} path {group[0].path:7s} {fmt(t)} ms")
-    print(f"  total {total:.2f} ms per token (without the 262144-row head)")
+        print(f"  {qtype.name:5s} x{len(group):3d} path {group[0].path:7s} {fmt(t)}")
+    print(f"  total {total:.2f} ms (medians; without the 262144-row head)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--sweep", action="store_true", help="also sweep M for the kernel/dense crossover")
-    ap.add_argument("--dense", action="store_true", help="also time the dense fp32/bf16 modes")
-    ap.add_argument("--gemma", action="store_true", help="also time Gemma-3-270M's projections by type")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--sweep", action="store_true", help="kernel vs dequantize crossover in M")
+    ap.add_argument("--gemma", action="store_true", help="Gemma-3-270M's projections by weight type")
+    ap.add_argument("--dense", action="store_true", help="decode step with dense bf16/fp32 weights")
+    ap.add_argument("--no-shapes", action="store_true", help="skip the per-shape table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    rep = args.repeats
     path = known_model_path("default")
     print(f"model {path.name}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
-          f"thresholds int4<= {INT4_KERNEL_MAX_M} int8<= {INT8_KERNEL_MAX_M}")
+          f"int4 kernel M<={INT4_KERNEL_MAX_M}  int8 kernel M<={INT8_KERNEL_MAX_M}  "
+          f"load average {os.getloadavg()[0]:.2f}")
 
     reader, raw = raw_tensors(path)
     gc.collect()
-    before = rss_kb()
-    layers = {p: [] for p in PROJECTIONS}
-    n_layers = 0
-    while f"blk.{n_layers}.attn_q.weight" in raw:
-        for p in PROJECTIONS:
-            qtype, data, n, k = raw[f"blk.{n_layers}.{p}.weight"]
-            layers[p].append(QuantizedLinear(qtype, data, k, n))
-        n_layers += 1
-    qtype, data, n, k = raw["token_embd.weight"]
-    embedding = QuantizedEmbedding(qtype, data, n, k)
-    head = embedding.as_linear()
-    packed_bytes = sum(m.nbytes for ms in layers.values() for m in ms) + head.nbytes
-    loaded = rss_kb()
-    del raw, reader, data
+    before = rss_mib()
+    layers, head = build_layers(raw)
+    loaded = rss_mib()
+    del raw, reader
     gc.collect()
-    released = rss_kb()
-    mib = lambda a, b, key: (a[key] - b[key]) / 1024  # noqa: E731
-    print(f"\nRSS added by packing all weights, MiB: total {mib(loaded, before, 'VmRSS'):.1f} "
-          f"(anon {mib(loaded, before, 'RssAnon'):.1f}, file-backed mmap pages read "
-          f"{mib(loaded, before, 'RssFile'):.1f}); after closing the GGUF mmap: "
-          f"total {mib(released, before, 'VmRSS'):.1f} (anon {mib(released, before, 'RssAnon'):.1f}, "
-          f"file {mib(released, before, 'RssFile'):.1f})")
-    print(f"packed bytes held: {packed_bytes / 2**20:.1f} MiB  "
-          f"(paths: {layers['attn_q'][0].path} for {layers['attn_q'][0].qtype.name}, {head.path} for the head)")
+    closed = rss_mib()
+    packed = sum(m.nbytes for ms in layers.values() for m in ms) + head.nbytes
+    print(f"\npacked weights held: {packed / 2**20:.1f} MiB ({layers['attn_q'][0].qtype.name} projections "
+          f"-> {layers['attn_q'][0].path}, {head.qtype.name} tied head -> {head.path})")
+    print(f"RSS added while building: anon {loaded['RssAnon'] - before['RssAnon']:.1f} MiB, file-backed "
+          f"{loaded['RssFile'] - before['RssFile']:.1f} MiB (GGUF pages read through the mmap); "
+          f"file-backed once the mmap is closed: {closed['RssFile'] - before['RssFile']:.1f} MiB")
 
-    rep = args.repeats
-    print("\nper call, ms (min median max), cycling through the 30 layers' weights")
-    print(f"{'shape':24s} {'path':14s} {'M':>5s} {'min':>9s} {'median':>9s} {'max':>9s}")
-    int4_paths = {"int4-kernel": cq.int4_matmul, "int4-dense-bf16": cq.int4_dense_matmul}
-    for p in PROJECTIONS:
-        mods = layers[p]
-        n, k = mods[0].out_features, mods[0].in_features
-        for m in (1, 128, 1024):
-            for name, fn in int4_paths.items():
-                sub = mods if m <= 128 else mods[:6]
-                t = per_call(sub, lambda x, mod, fn=fn: fn(x, mod.storage), m, k, rep)
-                print(f"{p + f' {n}x{k}':24s} {name:14s} {m:5d} {fmt(t)}")
-    heads = [head]
-    for m in (1, 128, 1024):
-        for name, fn in {"int8-kernel": cq.int8_matmul, "int8-dense-bf16": cq.int8_dense_matmul}.items():
-            if m == 1024 and name == "int8-kernel":
-                continue
-            t = per_call(heads, lambda x, mod, fn=fn: fn(x, mod.storage), m, head.in_features, max(3, rep // 2))
-            print(f"{'head 49152x576':24s} {name:15s}{m:5d} {fmt(t)}")
-
+    if not args.no_shapes:
+        shapes_and_paths(layers, head, rep)
     if args.sweep:
-        print("\ncrossover sweep, median ms per call")
-        for p in ("attn_q", "ffn_up", "ffn_down"):
-            mods = layers[p][:10]
-            for m in (8, 16, 32, 48, 64, 96, 128, 192):
-                a = per_call(mods, lambda x, mod: cq.int4_matmul(x, mod.storage), m, mods[0].in_features, rep)[1]
-                b = per_call(mods, lambda x, mod: cq.int4_dense_matmul(x, mod.storage), m, mods[0].in_features, rep)[1]
-                print(f"  {p:12s} M={m:4d}  int4-kernel {a:8.3f}  int4-dense-bf16 {b:8.3f}")
-        for m in (1, 2, 4, 8, 16, 32, 48, 64, 96):
-            a = per_call(heads, lambda x, mod: cq.int8_matmul(x, mod.storage), m, 576, max(3, rep // 2))[1]
-            b = per_call(heads, lambda x, mod: cq.int8_dense_matmul(x, mod.storage), m, 576, max(3, rep // 2))[1]
-            print(f"  {'head':12s} M={m:4d}  int8-kernel {a:8.3f}  int8-dense-bf16 {b:8.3f}")
+        sweep(layers, head, rep)
 
-    def step(m: int, with_head: bool) -> Callable[[], None]:
-        x = torch.randn(m, 576)
-        xf = torch.randn(m, 1536)
-        last = x[-1:]
-
-        def run() -> None:
-            for i in range(n_layers):
-                for p in PROJECTIONS:
-                    layers[p][i](xf if p == "ffn_down" else x)
-            if with_head:
-                head(last)
-        return run
-
-    print("\nwhole model, linear layers only (module forward, paths chosen by M)")
-    t = timed(step(1, True), max(rep, 9))
-    t_head = per_call(heads, lambda x, mod: mod(x), 1, 576, max(rep, 9))
-    print(f"  decode M=1, 210 projections + head: {fmt(t)} ms  (head alone {t_head[1]:.3f} ms) "
-          f"-> {1000 / t[1]:.0f} tok/s if linears were all")
+    print("\nwhole model through the modules (paths chosen by M), ms (min median max)")
+    t = timed(model_pass(layers, head, 1), max(rep, 25))
+    t_head = timed(lambda x=torch.randn(1, 576): head(x), max(rep, 25))
+    print(f"  decode M=1: 210 projections + head {fmt(t)}   head alone {fmt(t_head)}")
+    print(f"      -> linear layers alone allow {1000 / t[1]:.0f} tok/s (median), {1000 / t[0]:.0f} (min)")
     for m in (128, 1024):
-        t = timed(step(m, True), 3, warmup=1)
-        print(f"  prefill M={m}, 210 projections + head on the last row: {fmt(t)} ms "
-              f"-> {m * 1000 / t[1]:.0f} tok/s")
+        t = timed(model_pass(layers, head, m), 3, warmup=1)
+        print(f"  prefill M={m}: 210 projections + head on the last row {fmt(t)} "
+              f"-> {m * 1000 / t[1]:.0f} tok/s (median)")
 
     if args.gemma:
-        gemma_by_type(args.repeats)
+        gemma_by_type(rep)
 
     if args.dense:
-        del layers, head, embedding
+        del layers, head
         gc.collect()
         for mode in ("bf16", "fp32"):
             reader, raw = raw_tensors(path)
-            dense = {p: [] for p in PROJECTIONS}
-            for i in range(n_layers):
-                for p in PROJECTIONS:
-                    qtype, data, n, k = raw[f"blk.{i}.{p}.weight"]
-                    dense[p].append(make_linear(qtype, data, k, n, mode))
-            qtype, data, n, k = raw["token_embd.weight"]
-            dhead = make_linear(qtype, data, k, n, mode)
+            dense_layers, dense_head = build_layers(raw, mode)
             del raw, reader
-            layers, head = dense, dhead
-            t = timed(step(1, True), max(rep, 9))
-            print(f"  dense {mode}: decode M=1 {fmt(t)} ms; head alone "
-                  f"{per_call([dhead], lambda x, mod: mod(x), 1, 576, rep)[1]:.3f} ms")
-            del dense, dhead, layers, head
+            t = timed(model_pass(dense_layers, dense_head, 1), max(rep, 25))
+            t_head = timed(lambda x=torch.randn(1, 576): dense_head(x), rep)
+            print(f"  dense {mode}: decode M=1 {fmt(t)}   head alone {fmt(t_head)}")
+            del dense_layers, dense_head
             gc.collect()
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,12 @@ class AsyncLLMEngine:
         out: asyncio.Queue = asyncio.Queue()
         ready = loop.create_future()
         self._inbox.put(_Submit(list(prompt_ids), params or SamplingParams(), loop, out, ready))
-        rid = await ready  # raises the engine's validation error, if any
+        try:
+            rid = await asyncio.shield(ready)  # raises the engine's validation error, if any
+        except asyncio.CancelledError:
+            # cancelled before the engine thread took the request: abort it once it has an id
+            ready.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result()))
+            raise
         finished = False
         try:
             while True:

@@ -118,6 +118,9 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        bad = [t for t in list(params.logit_bias) + list(params.stop_token_ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias / stop_token_ids name token ids outside [0, {vocab}): {bad[:5]}")
         if len(prompt_ids) + 1 > self.max_model_len:
             raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_model_len)
         seq = Sequence(next(self._ids), list(prompt_ids), params)

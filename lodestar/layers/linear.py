@@ -43,8 +43,9 @@ def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
 class QuantizedLinear(nn.Module):
     """``y = x @ W.T`` with W kept packed; x and y are float32 ``[..., features]``.
 
-    ``data`` is the weight's GGUF bytes, uint8 ``[out_features, bytes_per_row]``.
-    Q4_* and Q8_0 are repacked once (same size); other types keep ``data`` itself.
+    ``data`` is the weight's GGUF bytes, uint8 ``[out_features, bytes_per_row]``. Q4_0,
+    Q4_1 and Q4_K are repacked once to int4 (same size); Q8_0, Q5_0, Q5_1 and Q6_K to
+    int8 codes (1.125-1.25 bytes per weight); other types keep ``data`` itself.
     """
 
     def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor,
@@ -56,10 +57,12 @@ class QuantizedLinear(nn.Module):
         self.storage = _pack(qtype, data, out_features, in_features)
         if isinstance(self.storage, cq.Int4Weight):
             self.path = "int4"
-            self._small, self._large, self._max_m = cq.int4_matmul, cq.int4_dense_matmul, INT4_KERNEL_MAX_M
+            self._small, self._large = cq.int4_matmul, cq.int4_dense_matmul
+            self._max_m = INT4_KERNEL_MAX_M
         elif isinstance(self.storage, cq.Int8Weight):
             self.path = "int8"
-            self._small, self._large, self._max_m = cq.int8_matmul, cq.int8_dense_matmul, INT8_KERNEL_MAX_M
+            self._small, self._large = cq.int8_matmul, cq.int8_dense_matmul
+            self._max_m = INT8_KERNEL_MAX_M
         else:
             self.path = "fp32" if qtype == T.F32 else "dequant"
             self._small = self._large = self._dequant_matmul
@@ -146,7 +149,8 @@ class QuantizedEmbedding(nn.Module):
         if self.data is None:
             rows = self._head.rows(flat)
         elif self.qtype in cq.FLOAT_TYPES:
-            rows = cq.float_view(self.qtype, self.data.index_select(0, flat), flat.numel(), self.dim).float()
+            picked = self.data.index_select(0, flat)
+            rows = cq.float_view(self.qtype, picked, flat.numel(), self.dim).float()
         else:
             rows = cq.dequantize(self.data.index_select(0, flat), self.qtype, (flat.numel(), self.dim))
         return rows.view(*ids.shape, self.dim)
@@ -165,7 +169,8 @@ class QuantizedEmbedding(nn.Module):
         return own + (self._head.nbytes if self._head is not None else 0)
 
     def extra_repr(self) -> str:
-        return f"{self.qtype.name}, num_embeddings={self.num_embeddings}, dim={self.dim}, tied={self._head is not None}"
+        return (f"{self.qtype.name}, num_embeddings={self.num_embeddings}, dim={self.dim}, "
+                f"tied={self._head is not None}")
 
 
 class DenseLinear(nn.Module):

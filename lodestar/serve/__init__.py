@@ -1,4 +1,40 @@
-"""HTTP server: OpenAI (chat, completions, responses) and Anthropic (messages) APIs over one engine."""
+"""HTTP server: OpenAI (chat, completions, responses) and Anthropic (messages) APIs over one engine.
+
+``lodestar serve`` (default http://127.0.0.1:8000) exposes:
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (OpenAI),
+- ``POST /v1/messages``, ``POST /v1/messages/count_tokens`` (Anthropic),
+- ``GET /v1/models``, ``GET /v1/models/{id}`` (readable by both SDKs),
+- ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``, ``GET /docs``,
+- ``GET /`` (``static/index.html`` when present) and ``/static/*``.
+
+Layout: one module per API translates its wire format to the neutral chat shape
+(``chat_prompt``) and back; ``generation`` runs one engine request and yields neutral
+deltas (reasoning, content, tool-call start/arguments/end, keep-alive); ``tool_parsers``
+and ``reasoning`` read the model's own markup; ``sse``, ``errors``, ``auth`` and
+``metrics`` are shared. No module here touches tensors.
+
+Behaviour worth knowing:
+
+- Requests name a served model (``--served-model-name``, repeatable); any other name is 404.
+- Tools reach the chat template as ``tools=``; a template that ignores them (SmolLM2) gets a
+  Hermes tools block in the system message instead. Hermes ``<tool_call>``, Llama-3 JSON /
+  ``<|python_tag|>`` and Mistral ``[TOOL_CALLS]`` output becomes tool calls of the declared
+  tools; anything malformed stays plain content. ``tool_choice`` "required" and
+  ``parallel_tool_calls`` are not enforced (no constrained decoding yet), nor are JSON
+  ``response_format`` / ``text.format`` / ``output_config.format`` (refused with 400).
+- ``<think>`` spans become ``reasoning_content`` / ``thinking`` blocks / reasoning items;
+  ``reasoning_effort``, ``reasoning.effort`` and Anthropic ``thinking`` set the template's
+  ``enable_thinking``. ``thinking.budget_tokens`` is not enforced.
+- A model without a chat template (a base model) is prompted with a plain
+  ``User:`` / ``Assistant:`` transcript that stops at the next ``User:`` line.
+- ``prompt + max_tokens`` beyond the context is a 400 carrying both counts; a full queue
+  is 503 with ``Retry-After``; streams send ``: keep-alive`` comments while no token
+  arrives; a client that disconnects aborts its request and frees its KV blocks.
+- The server stores nothing: the Responses API refuses ``previous_response_id``.
+- vLLM-style extras: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
+  ``chat_template_kwargs`` on the OpenAI chat and completions routes.
+"""
 from lodestar.serve.app import build_app
 from lodestar.serve.state import ServeConfig
 

@@ -255,6 +255,9 @@ async def _stream(path: str, model: str, gen: Generation, user_stops: list[str])
 @router.post("/v1/messages", summary="Create a message (Anthropic)")
 async def create_message(body: MessagesRequest, request: Request):
     state = get_state(request)
+    if (body.output_config or {}).get("format") is not None:
+        raise APIError(400, "output_config.format (structured output) is not supported yet (no constrained "
+                            "decoding); ask for JSON in the prompt instead", param="output_config.format")
     prompt, names = render(state, body)
     user_stops = list(body.stop_sequences or [])
     try:

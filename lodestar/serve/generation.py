@@ -51,7 +51,7 @@ class Delta:
 
 @dataclass
 class Result:
-    finish_reason: str = "abort"          # stop | length | tool_calls | abort
+    finish_reason: str = "abort"          # stop | length | tool_calls | abort | error
     stop_sequence: str | None = None      # the stop string that ended the output
     content: str = ""                     # non-streaming: the answer without reasoning and tool markup
     reasoning: str = ""
@@ -179,6 +179,9 @@ class Generation:
                         yield delta
                     break
                 nxt = asyncio.ensure_future(agen.__anext__())
+        except Exception:
+            res.finish_reason = "error"
+            raise
         finally:
             if nxt is not None and not nxt.done():
                 nxt.cancel()                 # the engine stream's own cleanup aborts the request

@@ -175,3 +175,4 @@ class MessagesRequest(MessagesCountRequest):
     stop_sequences: StopList | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None

@@ -12,6 +12,8 @@ Each test asserts the elementwise worst-case bound and a normwise error well und
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -55,8 +57,14 @@ def synthetic(qtype: T, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
     return torch.from_numpy(raw.copy()), want
 
 
+@functools.cache
+def gguf_tensors(path) -> dict:
+    """Tensors of a GGUF file by name (parsing Gemma's metadata takes seconds: once)."""
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
 def real_tensor(path, name: str) -> tuple[T, torch.Tensor, int, int]:
-    t = {t.name: t for t in GGUFReader(path).tensors}[name]
+    t = gguf_tensors(path)[name]
     raw = np.ascontiguousarray(t.data).view(np.uint8)
     k, n = int(t.shape[0]), int(t.shape[1])
     return T(t.tensor_type), torch.from_numpy(raw.reshape(n, -1).copy()), n, k

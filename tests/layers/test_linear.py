@@ -12,6 +12,8 @@ tests/kernels/test_cpu_quant.py):
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -59,7 +61,8 @@ def synthetic(qtype: T, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
         raw = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8)
         blocks = raw.reshape(-1, size)
         for off in F16_SCALE_OFFSETS[qtype]:
-            blocks[:, off:off + 2] = rng.uniform(1e-3, 2e-2, blocks.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            scales = rng.uniform(1e-3, 2e-2, blocks.shape[0]).astype(np.float16)
+            blocks[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
     want = torch.from_numpy(np.ascontiguousarray(reference(raw, qtype), dtype=np.float32)).reshape(n, k)
     return torch.from_numpy(raw.copy()), want
 
@@ -189,10 +192,15 @@ def test_bad_arguments_are_explained():
 # Real tensors
 
 
+@functools.cache
+def _gguf_tensors(path) -> dict:
+    """Tensors of a GGUF file by name (parsing Gemma's metadata takes seconds: once)."""
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
 def _real(path, names):
-    reader = GGUFReader(path)
     out = {}
-    for t in reader.tensors:
+    for t in _gguf_tensors(path).values():
         if t.name in names:
             k, n = int(t.shape[0]), int(t.shape[1])
             raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1)
@@ -233,7 +241,8 @@ def test_real_smollm_tied_embedding_and_head(smollm_path):
 
 
 def test_real_gemma_types(gemma_path):
-    names = ["blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight"]
+    names = ["blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.0.attn_v.weight",
+             "blk.0.ffn_down.weight"]
     got = _real(gemma_path, names)
     assert {v[0] for v in got.values()} == {T.Q5_0, T.Q4_K, T.Q8_0, T.Q6_K}
     for qtype, data, n, k in got.values():

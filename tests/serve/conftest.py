@@ -15,15 +15,14 @@ from lodestar.serve import ServeConfig, build_app
 
 # -- the real model --------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def loaded_model(smollm_path):
+def real_engine(smollm_path):
     from lodestar.engine.loader import load_model
-    return load_model(str(smollm_path), progress=False)
 
+    def build() -> LLMEngine:  # on the engine thread, as the server does
+        return LLMEngine(load_model(str(smollm_path), progress=False),
+                         EngineConfig(max_num_seqs=8, kv_tokens=8192, max_model_len=2048))
 
-@pytest.fixture(scope="session")
-def real_engine(loaded_model):
-    engine = LLMEngine(loaded_model, EngineConfig(max_num_seqs=8, kv_tokens=8192, max_model_len=2048))
-    aeng = AsyncLLMEngine(engine, max_queued=64)
+    aeng = AsyncLLMEngine(build, max_queued=64)
     yield aeng
     aeng.shutdown()
 
@@ -36,8 +35,8 @@ def real_url(real_engine):
 
 
 @pytest.fixture(scope="session")
-def tokenizer(loaded_model):
-    return loaded_model.tokenizer
+def tokenizer(real_engine):
+    return real_engine.tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from lodestar.engine.async_engine import QueueFullError
+from lodestar.engine.async_engine import EngineDeadError, QueueFullError
 from lodestar.engine.llm_engine import RequestOutput
 
 MODEL = "smollm2-135m"
@@ -59,6 +59,7 @@ class Script:
     first_delay: float = 0.0          # a long prefill
     step_delay: float = 0.0
     cached_tokens: int = 0
+    fail_after: int | None = None     # the engine dies after this many pieces
 
 
 class ScriptedEngine:
@@ -89,6 +90,8 @@ class ScriptedEngine:
             await asyncio.sleep(script.first_delay)
             pieces = script.pieces[:params.max_tokens]
             for i, piece in enumerate(pieces):
+                if script.fail_after is not None and i >= script.fail_after:
+                    raise EngineDeadError("engine stopped: simulated failure")
                 last = i == len(pieces) - 1
                 reason = None
                 if last:

@@ -4,8 +4,9 @@ from lodestar.serve.chat_prompt import PLAIN_STOP, render_chat
 from lodestar.serve.errors import APIError
 from lodestar.tokenizer import render_chat_template
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": CITY}}]
 ROUND_TRIP = [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": None, "tool_calls": [

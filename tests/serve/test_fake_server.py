@@ -143,6 +143,14 @@ def test_responses_function_call_round_trip(oai, script, fake_engine):
     assert "<tool_response>\n18 C\n</tool_response>" in fake_engine.prompt_text()
 
 
+def test_anthropic_final_assistant_message_is_continued(ant, script, fake_engine):
+    script.pieces = (" red, green and blue.",)
+    msg = ant.messages.create(model=MODEL, max_tokens=20, messages=[
+        {"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "The colors are"}])
+    assert msg.content[0].text == " red, green and blue."
+    assert fake_engine.prompt_text().endswith("<|im_start|>assistant\nThe colors are")
+
+
 # -- reasoning -------------------------------------------------------------------------------
 def test_reasoning_is_split_from_content_in_every_api(oai, ant, script, fake_engine):
     script.pieces = THINKING
@@ -169,7 +177,7 @@ def test_reasoning_is_split_from_content_in_every_api(oai, ant, script, fake_eng
 
 # -- streaming mechanics ---------------------------------------------------------------------
 def test_keepalive_comments_while_waiting_for_the_first_token(fake_url, script):
-    script.first_delay = 0.45        # the server's keep-alive interval is 0.1 s
+    script.first_delay = 0.6         # the server's keep-alive interval is 0.1 s
     for path, body in [("/v1/chat/completions", {"model": MODEL, "stream": True,
                                                   "messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/messages", {"model": MODEL, "stream": True, "max_tokens": 10,
@@ -225,6 +233,20 @@ def test_queue_full_is_503_with_retry_after(oai, ant, fake_engine):
         assert e.value.response.headers["retry-after"] == "1"
     finally:
         fake_engine.max_queued = 256
+
+
+def test_engine_failure_mid_stream_is_reported_in_each_grammar(oai, ant, script):
+    script.fail_after = 2
+    with pytest.raises(openai.APIError) as e:
+        list(oai.chat.completions.create(model=MODEL, stream=True, messages=[{"role": "user", "content": "hi"}]))
+    assert "simulated failure" in e.value.message
+    with pytest.raises(anthropic.APIStatusError) as e:
+        with ant.messages.stream(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "hi"}]) as s:
+            list(s)
+    assert e.value.body["error"]["type"] == "overloaded_error"
+    events = list(oai.responses.create(model=MODEL, input="hi", stream=True))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-1].response.status == "failed"
 
 
 def test_api_key_required_when_set(fake_engine):
