@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/lodestar chat
+	$(VENV)/bin/lodestar serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -16,9 +16,12 @@ class CLIError(Exception):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="default",
-                   help="GGUF file path or known model (default, smollm2-135m, gemma3-270m)")
+                   help="GGUF file path, Hugging Face folder (config.json + *.safetensors) or known model "
+                        "(default, smollm2-135m, gemma3-270m)")
     p.add_argument("--dtype", default="packed", choices=["packed", "fp32", "bf16"],
                    help="packed: keep quantized blocks packed (fast, small); fp32/bf16: dequantize at load")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs (auto: cuda when a GPU is visible, else cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--ctx", type=int, default=None, help="context length cap (default: the model's, max 16384)")
     p.add_argument("--kv-dir", default=None,
@@ -60,7 +63,8 @@ def _load_engine(a: argparse.Namespace, progress: bool = True):
     from lodestar.engine.loader import load_model
     if a.threads:
         torch.set_num_threads(a.threads)
-    loaded = load_model(a.model, mode=a.dtype, progress=progress and sys.stderr.isatty())
+    loaded = load_model(a.model, mode=a.dtype, progress=progress and sys.stderr.isatty(),
+                        device=getattr(a, "device", "cpu"))
     cfg = EngineConfig(kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache)
     if a.ctx:
         cfg.max_model_len = a.ctx
@@ -317,7 +321,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.ctx:
             cfg.max_model_len = a.ctx
             cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
-        engine = LLMEngine(load_model(a.model, mode=a.dtype, progress=sys.stderr.isatty()), cfg)
+        engine = LLMEngine(load_model(a.model, mode=a.dtype, progress=sys.stderr.isatty(),
+                                      device=getattr(a, "device", "cpu")), cfg)
         engine.warmup()
         return engine
 
@@ -352,7 +357,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 # -- bench ----------------------------------------------------------------------
 def cmd_bench(a: argparse.Namespace) -> int:
     import importlib
-    module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache"}[a.bench]
+    module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http"}[a.bench]
     return importlib.import_module(f"lodestar.bench.{module}").main(a)
 
 
@@ -421,6 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--runs", type=int, default=3)
     bc.add_argument("--json", type=Path, default=None)
     bc.set_defaults(func=cmd_bench)
+    bh = bsub.add_parser("http", help="HTTP server overhead: streamed tok/s and TTFT over HTTP vs the engine directly")
+    _add_model_args(bh)
+    bh.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8], help="concurrent clients per level")
+    bh.add_argument("--prompt-len", type=int, default=64)
+    bh.add_argument("--gen-tokens", type=int, default=128)
+    bh.add_argument("--runs", type=int, default=3)
+    bh.add_argument("--json", type=Path, default=None)
+    bh.set_defaults(func=cmd_bench)
     return p
 
 
@@ -429,13 +442,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     from lodestar.engine.llm_engine import ContextLengthError
+    from lodestar.engine.loader import DeviceError
     from lodestar.formats.catalog import ModelNotFoundError
     from lodestar.formats.gguf import GGUFError
     from lodestar.models import UnsupportedArchitectureError
     from lodestar.tokenizer import TokenizerError
     try:
         return a.func(a)
-    except (CLIError, ContextLengthError, ModelNotFoundError, GGUFError, UnsupportedArchitectureError,
+    except (CLIError, ContextLengthError, DeviceError, ModelNotFoundError, GGUFError, UnsupportedArchitectureError,
             TokenizerError) as e:
         print(f"lodestar: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,15 +1,18 @@
 """Micro-benchmark of the CPU linear paths on SmolLM2-135M's real weights.
 
-    .venv/bin/python scripts/bench_linear.py [--threads 2] [--repeats 9] [--sweep] [--gemma] [--dense]
+    .venv/bin/python scripts/bench_linear.py [--threads 2] [--repeats 9] [--sweep] [--types]
+                                             [--gemma] [--dense] [--no-shapes]
 
 Prints min / median / max milliseconds for:
 * every projection shape and the tied Q8_0 head, per path, at M = 1, 128, 1024 (a sample
   is one call on each of the 30 layers' weights, so the caches see a model's worth of
   bytes as in decoding; times are per call);
-* ``--sweep``: the kernel-vs-dequantize crossover behind the M thresholds in
-  ``lodestar/layers/linear.py``;
+* ``--sweep``: the kernel-vs-dequantize crossover behind ``INT4_CROSSOVER_M`` and
+  ``INT8_CROSSOVER_M`` in ``lodestar/layers/linear.py``;
 * one decode step (M=1: 210 projections + head) and prefill chunks of 128 and 1024 rows
-  through the modules, with the path each picks;
+  through the modules, with the default single kernel per weight and with the opt-in
+  dense route for large M;
+* ``--types``: every supported weight type (random weights) at 576x1536, M = 1, 128, 1024;
 * ``--gemma``: Gemma-3-270M's projections at M=1, by weight type;
 * ``--dense``: the same decode step with the weights dense in bf16 and fp32;
 and the RSS the packed weights add. The load average is printed first and last: on a
@@ -32,8 +35,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from lodestar.formats.catalog import ModelNotFoundError, known_model_path
 from lodestar.kernels import cpu_quant as cq
 from lodestar.layers.linear import (
-    INT4_KERNEL_MAX_M,
-    INT8_KERNEL_MAX_M,
+    INT4_CROSSOVER_M,
+    INT8_CROSSOVER_M,
     QuantizedEmbedding,
     QuantizedLinear,
     make_linear,
@@ -90,13 +93,14 @@ def per_call(mods: list, fn: Callable, m: int, k: int, repeats: int) -> tuple[fl
     return t[0] / len(mods), t[1] / len(mods), t[2] / len(mods)
 
 
-def build_layers(raw: Raw, mode: str = "packed") -> tuple[dict[str, list], torch.nn.Module]:
+def build_layers(raw: Raw, mode: str = "packed", dense_min_m: int | None = None
+                 ) -> tuple[dict[str, list], torch.nn.Module]:
     layers = {p: [] for p in PROJECTIONS}
     i = 0
     while f"blk.{i}.attn_q.weight" in raw:
         for p in PROJECTIONS:
             qtype, data, n, k = raw[f"blk.{i}.{p}.weight"]
-            layers[p].append(make_linear(qtype, data, k, n, mode))
+            layers[p].append(make_linear(qtype, data, k, n, mode, dense_min_m))
         i += 1
     qtype, data, n, k = raw["token_embd.weight"]
     head = QuantizedEmbedding(qtype, data, n, k).as_linear() if mode == "packed" else make_linear(
@@ -155,6 +159,43 @@ def sweep(layers: dict[str, list], head, repeats: int) -> None:
               f"int8-dequant-bf16 {b[0]:7.3f} / {b[1]:7.3f}")
 
 
+ALL_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+             "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def synthetic_bytes(qtype: GGMLQuantizationType, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """GGUF bytes of random weights: gguf's quantizer, or random codes with sane scales."""
+    from gguf import quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    try:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(quants.quantize(w, qtype)).view(np.uint8).reshape(n, -1))
+    except NotImplementedError:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8)
+        blocks = raw.reshape(-1, size)
+        offsets = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+        for off in offsets[qtype.name]:
+            scales = rng.uniform(1e-3, 2e-2, blocks.shape[0]).astype(np.float16)
+            blocks[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
+        return torch.from_numpy(raw)
+
+
+def by_type(repeats: int, copies: int = 8) -> None:
+    """Every supported type at the down-projection shape 576x1536, through the module."""
+    n, k = 576, 1536
+    rng = np.random.default_rng(0)
+    print(f"\nby weight type, {n}x{k} (random weights, {copies} copies cycled), per call ms (min median max)")
+    print(f"{'type':6s} {'path':8s} {'MiB':>6s} {'M':>5s} {'min':>9s} {'median':>9s} {'max':>9s}")
+    for name in ALL_TYPES:
+        qtype = GGMLQuantizationType[name]
+        mods = [QuantizedLinear(qtype, synthetic_bytes(qtype, n, k, rng), k, n) for _ in range(copies)]
+        for m in (1, 128, 1024):
+            t = per_call(mods if m < 1024 else mods[:2], lambda x, mod: mod(x), m, k, max(3, repeats // 2))
+            print(f"{name:6s} {mods[0].path:8s} {mods[0].nbytes / 2**20:6.2f} {m:5d} {fmt(t)}")
+
+
 def gemma_by_type(repeats: int) -> None:
     """One M=1 pass over Gemma-3-270M's projections, summed by weight type."""
     try:
@@ -182,6 +223,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--sweep", action="store_true", help="kernel vs dequantize crossover in M")
+    ap.add_argument("--types", action="store_true", help="every supported weight type at 576x1536")
     ap.add_argument("--gemma", action="store_true", help="Gemma-3-270M's projections by weight type")
     ap.add_argument("--dense", action="store_true", help="decode step with dense bf16/fp32 weights")
     ap.add_argument("--no-shapes", action="store_true", help="skip the per-shape table")
@@ -191,7 +233,7 @@ def main() -> None:
     rep = args.repeats
     path = known_model_path("default")
     print(f"model {path.name}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
-          f"int4 kernel M<={INT4_KERNEL_MAX_M}  int8 kernel M<={INT8_KERNEL_MAX_M}  "
+          f"crossovers int4 M~{INT4_CROSSOVER_M} int8 M~{INT8_CROSSOVER_M}  "
           f"load average {os.getloadavg()[0]:.2f}")
 
     reader, raw = raw_tensors(path)
@@ -214,7 +256,7 @@ def main() -> None:
     if args.sweep:
         sweep(layers, head, rep)
 
-    print("\nwhole model through the modules (paths chosen by M), ms (min median max)")
+    print("\nwhole model through the modules (one kernel for every M), ms (min median max)")
     t = timed(model_pass(layers, head, 1), max(rep, 25))
     t_head = timed(lambda x=torch.randn(1, 576): head(x), max(rep, 25))
     print(f"  decode M=1: 210 projections + head {fmt(t)}   head alone {fmt(t_head)}")
@@ -224,6 +266,18 @@ def main() -> None:
         print(f"  prefill M={m}: 210 projections + head on the last row {fmt(t)} "
               f"-> {m * 1000 / t[1]:.0f} tok/s (median)")
 
+    print(f"  with dense_min_m={INT4_CROSSOVER_M} (prefill rows then depend on the batch):")
+    reader, raw = raw_tensors(path)
+    fast_layers, _ = build_layers(raw, dense_min_m=INT4_CROSSOVER_M)
+    del raw, reader
+    for m in (128, 1024):
+        t = timed(model_pass(fast_layers, head, m), 3, warmup=1)
+        print(f"  prefill M={m}: {fmt(t)} -> {m * 1000 / t[1]:.0f} tok/s (median)")
+    del fast_layers
+    gc.collect()
+
+    if args.types:
+        by_type(rep)
     if args.gemma:
         gemma_by_type(rep)
 

@@ -47,6 +47,8 @@ class EngineConfig:
     kv_dir: str | None = None           # disk tier folder (None: no disk tier)
     disk_min_tokens: int = 256          # checkpoint prefixes of at least this many tokens
     disk_max_bytes: int = 4 << 30
+    device: str | None = None           # None: where the model was loaded; KV lives there too
+    cuda_graphs: bool = True            # replay captured graphs for decode steps (CUDA only)
 
 
 @dataclass
@@ -89,7 +91,15 @@ class LLMEngine:
         self.fingerprint = f"{loaded.path.name}:{loaded.mode}"
         self.stats: Counter = Counter()
         self._block_meta: dict[bytes, tuple[bytes | None, list[int]]] = {}  # hash -> (parent, tokens)
-        self.runner = ModelRunner(loaded.model, self.pool)
+        ctx = loaded.config.context_length
+        self.max_model_len = min(cfg.max_model_len or ctx, ctx, num_blocks * cfg.block_size)
+        self.device = torch.device(cfg.device or getattr(loaded, "device", "cpu"))
+        kv_dtype = torch.float32
+        if self.device.type == "cuda":
+            self.fingerprint += ":cuda"
+            kv_dtype = torch.float32 if loaded.mode == "fp32" else torch.bfloat16
+        self.runner = ModelRunner(loaded.model, self.pool, kv_dtype, self.device, self.max_model_len,
+                                  cfg.cuda_graphs)
         self.disk = None
         if cfg.kv_dir:
             from lodestar.engine.disk_cache import DiskKVCache, KVLayout
@@ -100,8 +110,6 @@ class LLMEngine:
                               tuple((l.n_kv_heads, l.head_dim) for l in layers))
             self.disk = DiskKVCache(cfg.kv_dir, layout, cfg.disk_max_bytes, cfg.disk_min_tokens)
         self.pool.on_evict = self._on_evict
-        ctx = loaded.config.context_length
-        self.max_model_len = min(cfg.max_model_len or ctx, ctx, num_blocks * cfg.block_size)
         self.sampler = Sampler()
         self._ids = itertools.count()
         self.waiting: list[Sequence] = []
@@ -167,10 +175,10 @@ class LLMEngine:
         if kv is None:
             return
         blocks = self.pool.allocate(use - have)
-        slots = _slots(blocks, bs)
+        slots = _slots(blocks, bs).to(self.device)
         for layer, (k, v) in zip(self.loaded.model.attention_layers, kv):
-            layer.k_cache[slots] = k[have * bs:use * bs].to(layer.k_cache.dtype)
-            layer.v_cache[slots] = v[have * bs:use * bs].to(layer.v_cache.dtype)
+            layer.k_cache[slots] = k[have * bs:use * bs].to(self.device, layer.k_cache.dtype)
+            layer.v_cache[slots] = v[have * bs:use * bs].to(self.device, layer.v_cache.dtype)
         for j, b in enumerate(blocks, start=have):
             parent = hashes[j - 1] if j else None
             self._block_meta[hashes[j]] = (parent, seq.token_slice(j * bs, (j + 1) * bs))
@@ -187,8 +195,8 @@ class LLMEngine:
         if self.disk is None or not hashes or len(hashes) * bs < self.disk.min_tokens or self.disk.has(hashes[-1]):
             return 0
         tokens = [t for h in hashes for t in self._block_meta[h][1]]
-        slots = _slots(blocks, bs)
-        kv = [(l.k_cache[slots].clone(), l.v_cache[slots].clone()) for l in self.loaded.model.attention_layers]
+        slots = _slots(blocks, bs).to(self.device)
+        kv = [(l.k_cache[slots].cpu(), l.v_cache[slots].cpu()) for l in self.loaded.model.attention_layers]
         self.disk.save(hashes[-1], tokens, kv)
         self.stats["disk_write_tokens"] += len(tokens)
         return len(tokens)

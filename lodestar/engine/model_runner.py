@@ -1,4 +1,13 @@
-"""Builds one flattened batch per step and runs the model on it."""
+"""Builds one flattened batch per step and runs the model on it.
+
+On a CUDA device, steps where every row decodes one token replay a CUDA graph captured
+for the smallest batch-size bucket (``GRAPH_BATCH_SIZES``) that holds them: static input
+buffers (token ids, positions, KV slots, block tables as wide as ``max_model_len``
+needs, lengths) are filled on the host and copied in, padded rows write to a spare KV
+block that no sequence owns, and the graph runs the trunk and the head. Other steps
+(prefill, mixed, or more rows than the largest bucket) run eagerly. Logits stay on the
+device; the sampler reads them there.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,16 +15,39 @@ from torch import nn
 
 from lodestar.engine.kv_cache import BlockPool, allocate_kv_tensors
 from lodestar.engine.sequence import Sequence
-from lodestar.layers.attention import AttentionBatch
+from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ModelRunner:
     """Owns the model and its KV tensors; turns (sequence, new-token count) rows into logits."""
 
-    def __init__(self, model: nn.Module, pool: BlockPool, kv_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model: nn.Module, pool: BlockPool, kv_dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", max_model_len: int | None = None,
+                 cuda_graphs: bool = True) -> None:
         self.model = model
         self.pool = pool
-        self.kv_bytes = allocate_kv_tensors(model.attention_layers, pool.num_blocks, pool.block_size, kv_dtype)
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            self.kv_bytes = allocate_kv_tensors(model.attention_layers, pool.num_blocks, pool.block_size, kv_dtype)
+            return
+        layers = model.attention_layers
+        # One block past the pool: padded graph rows write and read there.
+        self.kv_bytes = allocate_kv_tensors(layers, pool.num_blocks + 1, pool.block_size, kv_dtype, self.device)
+        for layer in layers:   # defined contents, so a read past what was written is never NaN
+            layer.k_cache.zero_()
+            layer.v_cache.zero_()
+        self.spare_block = pool.num_blocks
+        self.max_model_len = max_model_len or pool.num_blocks * pool.block_size
+        self.max_blocks = -(-self.max_model_len // pool.block_size)
+        self.n_kv_heads = layers[0].n_kv_heads
+        self.cuda_graphs = cuda_graphs
+        self.graphs: dict[int, dict] = {}
+        self.graph_replays = 0
+        for m in model.modules():
+            if hasattr(m, "ensure_positions"):
+                m.ensure_positions(self.max_model_len + 1)
 
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` to hold ``num_tokens`` tokens (may raise OutOfBlocksError)."""
@@ -28,9 +60,11 @@ class ModelRunner:
             ) -> torch.Tensor | None:
         """Feed ``num_new[i]`` uncomputed tokens of each sequence; advance ``num_computed``.
 
-        Returns fp32 logits ``[R, V]`` at the last new token of each row whose
-        ``want_logits`` is true (all rows by default), or None when none is wanted.
+        Returns fp32 logits ``[R, V]`` (on the model's device) at the last new token of each
+        row whose ``want_logits`` is true (all rows by default), or None when none is wanted.
         """
+        if self.device.type != "cpu":
+            return self._run_device(seqs, num_new, want_logits)
         ids: list[int] = []
         for s, n in zip(seqs, num_new):
             self.ensure_blocks(s, s.num_computed + n)
@@ -47,3 +81,125 @@ class ModelRunner:
         if rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden[rows])
+
+    # -- CUDA ------------------------------------------------------------------------
+    def _run_device(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None
+                    ) -> torch.Tensor | None:
+        for s, n in zip(seqs, num_new):
+            self.ensure_blocks(s, s.num_computed + n)
+        decode = all(n == 1 for n in num_new)
+        if (decode and self.cuda_graphs and len(seqs) <= GRAPH_BATCH_SIZES[-1]
+                and max(len(s.block_table) for s in seqs) <= self.max_blocks):
+            logits = self._replay(seqs)
+            for s in seqs:
+                s.num_computed += 1
+            if want_logits is not None and not all(want_logits):
+                keep = [i for i, w in enumerate(want_logits) if w]
+                return logits[keep] if keep else None
+            return logits
+        return self._eager(seqs, num_new, want_logits)
+
+    def _gpu_meta(self, batch: AttentionBatch) -> GpuAttentionMeta:
+        from lodestar.kernels.triton_attention import grid_splits, num_partitions
+        dev = self.device
+        return GpuAttentionMeta(batch.slot_mapping.to(dev, non_blocking=True),
+                                batch.block_tables.to(torch.int32).to(dev, non_blocking=True),
+                                batch.seq_lens.to(torch.int32).to(dev, non_blocking=True),
+                                num_partitions(max(batch.seq_lens_list)),
+                                grid_splits(batch.num_seqs, self.n_kv_heads, dev))
+
+    def _eager(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None
+               ) -> torch.Tensor | None:
+        ids: list[int] = []
+        for s, n in zip(seqs, num_new):
+            ids.extend(s.token_slice(s.num_computed, s.num_computed + n))
+        batch = AttentionBatch.build([s.block_table for s in seqs],
+                                     [s.num_computed + n for s, n in zip(seqs, num_new)],
+                                     num_new, self.pool.block_size)
+        batch.gpu = self._gpu_meta(batch)
+        ids_t = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        positions = batch.positions().to(self.device, non_blocking=True)
+        hidden = self.model(ids_t, positions, batch)
+        for s, n in zip(seqs, num_new):
+            s.num_computed += n
+        rows = batch.query_start_loc[1:] - 1
+        if want_logits is not None:
+            rows = rows[torch.tensor(want_logits, dtype=torch.bool)]
+        if rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[rows.to(self.device)])
+
+    def _forward_logits(self, g: dict) -> torch.Tensor:
+        hidden = self.model(g["ids"], g["positions"], g["batch"])
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, size: int) -> dict:
+        from lodestar.kernels.triton_attention import grid_splits, num_partitions
+        dev, bs = self.device, self.pool.block_size
+        # Pinned host staging buffers, filled through numpy views each step.
+        host_i64 = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)     # ids, positions, slots
+        host_lens = torch.ones(size, dtype=torch.int32, pin_memory=True)
+        host_tables = torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32, pin_memory=True)
+        host_i64[2].fill_(self.spare_block * bs)
+        g = {"size": size, "host_i64": host_i64, "host_lens": host_lens, "host_tables": host_tables,
+             "ids": torch.zeros(size, dtype=torch.int64, device=dev),
+             "positions": torch.zeros(size, dtype=torch.int64, device=dev),
+             "slots": torch.full((size,), self.spare_block * bs, dtype=torch.int64, device=dev),
+             "lens": torch.ones(size, dtype=torch.int32, device=dev),
+             "tables": torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32, device=dev),
+             "copied": torch.cuda.Event()}
+        meta = GpuAttentionMeta(g["slots"], g["tables"], g["lens"], num_partitions(self.max_blocks * bs),
+                                grid_splits(size, self.n_kv_heads, dev))
+        g["batch"] = AttentionBatch(g["slots"], g["tables"], g["lens"], torch.arange(size + 1), bs,
+                                    [1] * size, [1] * size, gpu=meta)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):   # compile kernels and set up cuBLAS outside the capture
+            for _ in range(2):
+                self._forward_logits(g)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g["logits"] = self._forward_logits(g)
+        g["graph"] = graph
+        g["copied"].record()
+        self.graphs[size] = g
+        return g
+
+    def capture(self, sizes: tuple[int, ...] = GRAPH_BATCH_SIZES) -> None:
+        """Capture decode graphs now (largest first) instead of at first use."""
+        for size in sorted(sizes, reverse=True):
+            if size not in self.graphs:
+                self._capture(size)
+
+    def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
+        n = len(seqs)
+        size = next(b for b in GRAPH_BATCH_SIZES if b >= n)
+        g = self.graphs.get(size) or self._capture(size)
+        bs = self.pool.block_size
+        g["copied"].synchronize()          # the previous step's copies have read the staging buffers
+        i64, lens, tables = g["host_i64"].numpy(), g["host_lens"].numpy(), g["host_tables"].numpy()
+        width = 1
+        for r, s in enumerate(seqs):
+            pos = s.num_computed
+            bt = s.block_table
+            i64[0, r] = s.token_slice(pos, pos + 1)[0]
+            i64[1, r] = pos
+            i64[2, r] = bt[pos // bs] * bs + pos % bs
+            lens[r] = pos + 1
+            tables[r, :len(bt)] = bt
+            width = max(width, len(bt))
+        i64[0, n:] = 0
+        i64[1, n:] = 0
+        i64[2, n:] = self.spare_block * bs
+        lens[n:] = 1
+        tables[n:, 0] = self.spare_block
+        g["ids"].copy_(g["host_i64"][0], non_blocking=True)
+        g["positions"].copy_(g["host_i64"][1], non_blocking=True)
+        g["slots"].copy_(g["host_i64"][2], non_blocking=True)
+        g["lens"].copy_(g["host_lens"], non_blocking=True)
+        g["tables"][:, :width].copy_(g["host_tables"][:, :width], non_blocking=True)
+        g["copied"].record()
+        g["graph"].replay()
+        self.graph_replays += 1
+        return g["logits"][:n].clone()

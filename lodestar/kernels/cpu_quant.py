@@ -7,25 +7,32 @@ Three packed forms, each a plain dataclass of tensors plus pure functions over i
     (scale, zero) pair per 32 weights, so that ``w = (q - 8) * scale + zero``:
     Q4_0 ``scale = d, zero = 0``; Q4_1 ``scale = d, zero = m + 8d``;
     Q4_K ``scale = d*sc, zero = 8*d*sc - dmin*m`` per 32-weight sub-block.
-    Same size as the GGUF bytes (0.625 bytes per weight). Small M runs
+    Same size as the GGUF bytes (0.625 bytes per weight). Multiplied by
     ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations, fp32 accumulation, bf16
-    out); large M dequantizes to bf16 and runs one dense bf16 matmul.
+    out); large M can instead dequantize to bf16 for one dense bf16 matmul.
     Rounding: scale and zero to bf16, x to bf16, the output to bf16.
 
 ``Int8Weight`` (Q8_0, Q5_0, Q5_1 in 32-weight sub-blocks; Q6_K in 16-weight ones)
     Signed int8 codes regrouped as ``[K/gs, N, gs]`` with fp32 sub-block scales (and
     Q5_1's mins) ``[K/gs, N]``: 1.125 bytes per weight (1.25 for Q6_K) against the
-    GGUF blocks' 1.0625 (Q8_0), 0.69 (Q5_0), 0.75 (Q5_1), 0.82 (Q6_K). Small M quantizes
-    x to int8 per sub-block (scale ``amax/127``, as llama.cpp does for its dot
-    products), runs one exact ``torch._int_mm`` per sub-block column and sums the int32
-    partials scaled by ``d_w * d_x`` in fp32; large M dequantizes to bf16 for one dense
-    bf16 matmul. Rows dequantize bit-identically to gguf (``scale * q (+ min)`` in
-    fp32), so the same storage serves as an embedding table.
-    Rounding: x to int8 per sub-block (error at most ``amax/254`` per element).
+    GGUF blocks' 1.0625 (Q8_0), 0.69 (Q5_0), 0.75 (Q5_1), 0.82 (Q6_K). x is split per
+    sub-block into two int8 terms, ``x ~ d1*q1 + d2*q2`` (``d1 = amax/127``, the
+    remainder at ``d2 = d1/254``); one ``torch._int_mm`` per sub-block column gives
+    exact int32 partials for both, summed scaled by ``d_w * d_x`` in fp32. Large M can
+    instead dequantize to bf16 for one dense bf16 matmul. Rows dequantize
+    bit-identically to gguf (``scale * q (+ min)`` in fp32), so the same storage serves
+    as an embedding table.
+    Rounding: x off by at most ``amax/64516`` per element (about 2e-5 normwise on
+    Gaussian data; one int8 term, as llama.cpp's Q8_0 dot products use, gives 5e-3).
 
 Raw bytes (F32, F16, BF16, Q2_K, Q3_K, Q5_K)
     Kept as loaded (zero-copy over the file mmap) and dequantized to fp32 a tile of rows
     at a time for an fp32 matmul: exact up to fp32 summation order.
+
+The int4 and int8 kernels give each row the same bits whatever M and the other rows
+are (tested). Dequantize-then-bf16-matmul rounds differently from the kernels, so
+switching between the two by M would let batching change results; fp32 GEMM (MKL)
+rows depend on M through its blocking (gemv for one row, other kernels above 3).
 
 ``lodestar.kernels.dequant.dequantize`` does the generic dequantization; while that
 module is absent the numpy reference ``gguf.quants.dequantize`` stands in.
@@ -344,35 +351,54 @@ def int8_pack(qtype: GGMLQuantizationType, data: torch.Tensor, n: int, k: int) -
 
 
 def quantize_rows_q8(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``[M, k]`` -> int8 codes ``[k/group, M, group]`` and fp32 scales ``[M, k/group]``.
+    """fp32 ``[M, k]`` -> int8 codes ``[k/group, 2M, group]`` and fp32 scales ``[2, M, k/group]``.
 
-    Per block ``d = amax / 127`` and ``q = round(x / d)`` (ties to even), so
-    ``|x - q*d| <= amax / 254``.
+    Two int8 terms per block: ``x ~ d1*q1 + d2*q2`` with ``d1 = amax/127``,
+    ``q1 = round(x/d1)``, and the remainder ``x - d1*q1`` (at most ``d1/2``) quantized
+    again with ``d2 = d1/254``. Rows ``0..M-1`` of the codes hold q1, rows ``M..2M-1``
+    q2, so one ``_int_mm`` serves both; ``|x - d1*q1 - d2*q2| <= amax/64516`` (plus fp32
+    rounding), well inside bf16's relative 2**-9 for all but tiny elements.
     """
     m, k = x.shape
     xb = x.view(m, k // group, group)
-    amax = xb.abs().amax(dim=-1)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    d1 = amax / 127.0
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int8)
-    return q.transpose(0, 1).contiguous(), amax / 127.0
+    q1 = torch.round(xb * inv)
+    rest = xb - q1 * d1
+    q2 = torch.round(rest * (inv * 254.0)).clamp_(-127, 127)
+    codes = torch.cat([q1, q2], dim=0).to(torch.int8)          # [2M, k/group, group]
+    scales = torch.stack([d1, d1 / 254.0]).squeeze(-1)        # [2, M, k/group]
+    return codes.transpose(0, 1).contiguous(), scales
 
 
 def int8_matmul(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """fp32 ``x [M, k] @ W.T`` with int8 x int8 -> int32 products per sub-block.
 
-    The min term, where present, is ``sum_g min[g] * sum(x over g)`` on the fp32 x.
+    x is split into two int8 terms (see ``quantize_rows_q8``); one ``_int_mm`` per
+    sub-block column gives exact int32 partials for both, each scaled by ``d_w * d_x``
+    and added in fp32, sub-block by sub-block, with elementwise operations only, so a
+    row's result is bit-identical whatever M and the other rows are (a batch changes
+    nothing). The min term, where present, is ``min[g] * sum(x over g)`` added the
+    same way.
     """
     gs = w.group
-    qx, dx = quantize_rows_q8(x, gs)
+    g = w.k // gs
     m = x.shape[0]
+    qx, dx = quantize_rows_q8(x, gs)                           # [g, 2M, gs], [2, M, g]
+    hi, lo = dx[0].t().unsqueeze(-1), dx[1].t().unsqueeze(-1)  # [g, M, 1] each
     acc = torch.zeros(m, w.n, dtype=torch.float32)
-    part = torch.empty(m, w.n, dtype=torch.int32)
-    dxt = dx.t().unsqueeze(-1)                                 # [g, M, 1]
-    for j in range(w.k // gs):
+    part = torch.empty(2 * m, w.n, dtype=torch.int32)
+    for j in range(g):
         torch._int_mm(qx[j], w.codes[j].t(), out=part)
-        acc.addcmul_(part, w.scales[j] * dxt[j])
+        acc.addcmul_(part[:m], w.scales[j] * hi[j])
+        acc.addcmul_(part[m:], w.scales[j] * lo[j])
     if w.mins is not None:
-        acc.addmm_(x.view(m, -1, gs).sum(-1), w.centred_mins())
+        # Elementwise, not a matmul: BLAS blocking would make rows depend on M.
+        xsum = x.view(m, g, gs).sum(-1).t().unsqueeze(-1)      # [g, M, 1]
+        mins = w.centred_mins()
+        for j in range(g):
+            acc.addcmul_(xsum[j], mins[j])
     return acc
 
 

@@ -6,6 +6,11 @@ pool of fixed-size blocks; ``slot_mapping`` says where each new token's K/V goes
 ``block_tables`` says which blocks hold each sequence's context. The CPU path gathers each
 sequence's context into a padded batch once per step (indices shared by all layers) and
 runs one masked SDPA per layer: no Python loop over sequences.
+
+On a CUDA device the batch also carries ``gpu`` (``GpuAttentionMeta``: device copies of
+the slots, block tables and lengths) and attention goes to
+``lodestar.kernels.triton_attention``: a paged Triton decode kernel when every sequence
+has one new token, gather + SDPA otherwise.
 """
 from __future__ import annotations
 
@@ -13,6 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class GpuAttentionMeta:
+    """Device-side tensors of an ``AttentionBatch`` for the CUDA kernels."""
+
+    slot_mapping: torch.Tensor      # [T] int64
+    block_tables: torch.Tensor      # [S, W] int32 (W may exceed what the sequences need)
+    seq_lens: torch.Tensor          # [S] int32
+    max_partitions: int             # decode partitions of the longest possible context
+    splits: int                     # decode programs per (sequence, kv head)
 
 
 @dataclass
@@ -27,6 +43,7 @@ class AttentionBatch:
     seq_lens_list: list[int]
     query_lens_list: list[int]
     _cache: dict = field(default_factory=dict, repr=False)
+    gpu: GpuAttentionMeta | None = None
 
     @classmethod
     def build(cls, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
@@ -114,8 +131,9 @@ def _positions(seq_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.T
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              batch: AttentionBatch) -> None:
     """Store this step's keys/values ``[T, Hk, D]`` at their slots."""
-    k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+    slots = batch.slot_mapping if batch.gpu is None else batch.gpu.slot_mapping
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -125,6 +143,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Returns ``[T, Hq, Dv]``. The new tokens' K/V must already be written to the cache.
     """
+    if batch.gpu is not None:
+        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window)
     p = batch._plan()
     S, T = batch.num_seqs, q.shape[0]
     if p["contiguous"] is not None:
@@ -147,3 +167,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if S == 1:
         return out[0]
     return out.reshape(S * p["max_q"], *out.shape[2:])[p["q_flat"]]
+
+
+def _gpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                   scale: float, sliding_window: int | None) -> torch.Tensor:
+    from lodestar.kernels import triton_attention as ta
+    q = q.to(k_cache.dtype)
+    if max(batch.query_lens_list) == 1:
+        g = batch.gpu
+        return ta.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, batch.block_size, scale,
+                                   sliding_window, g.max_partitions, g.splits)
+    return ta.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window)

@@ -1,16 +1,23 @@
 """Linear layers and embedding tables over GGUF weights.
 
-``QuantizedLinear`` keeps the weight packed and picks a kernel path per call by the
-number of rows M (see ``lodestar.kernels.cpu_quant`` for the packed forms):
+``QuantizedLinear`` keeps the weight packed and multiplies it with one kernel for every
+number of rows M, so that a row's result never depends on the batch it came in
+(ARCHITECTURE.md section 4; see ``lodestar.kernels.cpu_quant`` for the packed forms):
 
-=======================  ==================================  ============================
-weight type              M <= threshold                      larger M
-=======================  ==================================  ============================
-Q4_0, Q4_1, Q4_K         int4 kernel, bf16 activations       dequantize to bf16, bf16 mm
-Q8_0, Q5_0, Q5_1, Q6_K   int8 x int8 per sub-block           dequantize to bf16, bf16 mm
-F32                      fp32 matmul on the bytes            same
-F16, BF16, Q2/3/5_K      dequantize tiles to fp32, fp32 mm   same (exact)
-=======================  ==================================  ============================
+=======================  ===========================  ============================
+weight type              kernel (every M)             with dense_min_m, M >= it
+=======================  ===========================  ============================
+Q4_0, Q4_1, Q4_K         int4, bf16 activations       dequantize to bf16, bf16 mm
+Q8_0, Q5_0, Q5_1, Q6_K   int8 x int8 per sub-block    dequantize to bf16, bf16 mm
+F32                      fp32 matmul on the bytes     same
+F16, BF16, Q2/3/5_K      dequantize tiles, fp32 mm    same
+=======================  ===========================  ============================
+
+``dense_min_m`` (off by default) sends calls of at least that many rows to
+dequantize-then-bf16-matmul: about 2x faster at M = 1024 on SmolLM2's projections, but
+those rows round differently from the kernel's, so a prompt's logits would then depend
+on how the scheduler batched it. The exact fp32 types are batch-dependent anyway in the
+last bits (MKL's GEMM blocking depends on M).
 
 ``make_linear``/``make_embedding`` build the packed modules (``mode="packed"``) or dense
 ones holding the weight dequantized at load (``"fp32"``, ``"bf16"``).
@@ -26,12 +33,12 @@ from lodestar.kernels import cpu_quant as cq
 
 T = GGMLQuantizationType
 
-# Largest M that still runs the packed kernel; above it dequantize-then-bf16-matmul is
-# faster. Measured crossovers (scripts/bench_linear.py --sweep, 1 and 2 threads): int4
-# M ~ 80-100 on SmolLM2's projections; int8 M ~ 40 on its 49152-row head, where the
-# int32 partials (M x N per sub-block) outgrow the weight bytes.
-INT4_KERNEL_MAX_M = 80
-INT8_KERNEL_MAX_M = 32
+# Where dequantize-then-bf16-matmul overtakes the kernels (scripts/bench_linear.py
+# --sweep): int4 at M ~ 90 on SmolLM2's projections with one thread, 130-190 with two;
+# int8 at M ~ 40 on the 49152-row head. A sensible dense_min_m when batch-invariance is
+# not needed.
+INT4_CROSSOVER_M = 192
+INT8_CROSSOVER_M = 40
 
 MODES = ("packed", "fp32", "bf16")
 
@@ -46,10 +53,11 @@ class QuantizedLinear(nn.Module):
     ``data`` is the weight's GGUF bytes, uint8 ``[out_features, bytes_per_row]``. Q4_0,
     Q4_1 and Q4_K are repacked once to int4 (same size); Q8_0, Q5_0, Q5_1 and Q6_K to
     int8 codes (1.125-1.25 bytes per weight); other types keep ``data`` itself.
+    ``dense_min_m``: see the module docstring (default: one kernel for every M).
     """
 
     def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor,
-                 in_features: int, out_features: int) -> None:
+                 in_features: int, out_features: int, dense_min_m: int | None = None) -> None:
         super().__init__()
         qtype = _qtype(qtype)
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
@@ -58,15 +66,14 @@ class QuantizedLinear(nn.Module):
         if isinstance(self.storage, cq.Int4Weight):
             self.path = "int4"
             self._small, self._large = cq.int4_matmul, cq.int4_dense_matmul
-            self._max_m = INT4_KERNEL_MAX_M
         elif isinstance(self.storage, cq.Int8Weight):
             self.path = "int8"
             self._small, self._large = cq.int8_matmul, cq.int8_dense_matmul
-            self._max_m = INT8_KERNEL_MAX_M
         else:
             self.path = "fp32" if qtype == T.F32 else "dequant"
             self._small = self._large = self._dequant_matmul
-            self._max_m = 0
+        # Calls with more rows than this take the dense route; by default none do.
+        self._max_m = (1 << 62) if dense_min_m is None else dense_min_m - 1
 
     @property
     def nbytes(self) -> int:
@@ -130,9 +137,10 @@ class QuantizedEmbedding(nn.Module):
     """Token embedding over GGUF bytes ``[num_embeddings, bytes_per_row]``.
 
     ``forward(ids)`` dequantizes only the gathered rows, bit-identical to gguf.
-    ``as_linear()`` returns the tied output head. For Q8_0 (and the byte-kept types) the
-    head and the table then share one storage and the GGUF bytes are released; an int4
-    head keeps the GGUF bytes beside it because its bf16 scales cannot give exact rows.
+    ``as_linear()`` returns the tied output head. For the int8 types (Q8_0, Q5_0, Q5_1,
+    Q6_K) and the byte-kept ones the head and the table then share one storage and the
+    GGUF bytes are released; an int4 head keeps the GGUF bytes beside it because its
+    bf16 scales cannot give exact rows.
     """
 
     def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor,
@@ -216,12 +224,12 @@ def _check_mode(mode: str) -> None:
 
 
 def make_linear(qtype: GGMLQuantizationType | int, data: torch.Tensor, in_features: int,
-                out_features: int, mode: str = "packed") -> nn.Module:
+                out_features: int, mode: str = "packed", dense_min_m: int | None = None) -> nn.Module:
     """A linear layer over GGUF bytes: packed (``QuantizedLinear``) or dense fp32/bf16."""
     _check_mode(mode)
     qtype = _qtype(qtype)
     if mode == "packed":
-        return QuantizedLinear(qtype, data, in_features, out_features)
+        return QuantizedLinear(qtype, data, in_features, out_features, dense_min_m)
     return DenseLinear(_dense_weight(qtype, data, out_features, in_features, mode))
 
 

@@ -14,10 +14,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from lodestar.kernels.triton_fused import rms_norm
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, norm(h))`` with ``h = x + delta``; one fused kernel on the GPU."""
+        if x.is_cuda:
+            from lodestar.kernels.triton_fused import rms_norm
+            y, h = rms_norm(delta, self.weight, self.eps, residual=x)
+            return h, y
+        h = x + delta
+        return h, self(h)
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -32,7 +44,18 @@ class OffsetRMSNorm(RMSNorm):
         super().__init__(1.0 + w, eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from lodestar.kernels.triton_fused import rms_norm
+            return rms_norm(x, self.weight, self.eps, offset=True)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.weight).to(dtype)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            from lodestar.kernels.triton_fused import rms_norm
+            y, h = rms_norm(delta, self.weight, self.eps, offset=True, residual=x)
+            return h, y
+        h = x + delta
+        return h, self(h)

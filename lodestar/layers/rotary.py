@@ -31,15 +31,26 @@ class RotaryEmbedding(nn.Module):
         self._extend(max_positions)
 
     def _extend(self, n: int) -> None:
+        # Built on the CPU (its fp32 cos/sin are the reference's), then moved to the device.
+        device = self.inv_freq.device
         pos = torch.arange(n, dtype=torch.float32)
-        freqs = (self.inv_freq[:, None] @ pos[None, :]).T  # [n, d/2], as the reference's matmul
+        freqs = (self.inv_freq.cpu()[:, None] @ pos[None, :]).T  # [n, d/2], as the reference's matmul
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
         self.max_positions = n
+
+    def ensure_positions(self, n: int) -> None:
+        """Tables for positions < n. The GPU path needs them up front: it never checks
+        positions on the host (that would synchronise and break CUDA graphs)."""
+        if n > self.max_positions:
+            self._extend(n)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``positions [T]``."""
+        if q.is_cuda:  # in place, fp32 math; tables sized by ensure_positions
+            from lodestar.kernels.triton_fused import rope_
+            return rope_(q, k, positions, self.cos, self.sin, self.rotary_dim)
         if positions.numel() and int(positions.max()) >= self.max_positions:
             self._extend(max(int(positions.max()) + 1, 2 * self.max_positions))
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)

@@ -1,6 +1,7 @@
 """Model families, chosen from the checkpoint's ``general.architecture``."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
@@ -22,14 +23,32 @@ class UnsupportedArchitectureError(ValueError):
     pass
 
 
-def build_model(config: ModelConfig, source, mode: str = "packed", on_tensor=None) -> nn.Module:
-    """Instantiate the family's module with weights from ``source`` in ``mode``."""
+def build_model(config: ModelConfig, source, mode: str = "packed", on_tensor=None,
+                device: str | torch.device = "cpu") -> nn.Module:
+    """Instantiate the family's module with weights from ``source`` in ``mode`` on ``device``."""
     cls = ARCHITECTURES.get(config.arch)
     if cls is None:
         raise UnsupportedArchitectureError(
             f"architecture {config.arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
-    model = cls(config, WeightLoader(source, mode, on_tensor))
-    return model.eval().requires_grad_(False)
+    device = torch.device(device)
+    model = cls(config, WeightLoader(source, mode, on_tensor, device))
+    model = model.eval().requires_grad_(False)
+    if device.type != "cpu":
+        _finish_on_device(model, mode, device)
+    return model
+
+
+def _finish_on_device(model: nn.Module, mode: str, device: torch.device) -> None:
+    """Norm weights, biases and rope tables follow the (already placed) linear layers."""
+    from lodestar.layers.cuda_linear import CudaEmbedding, compute_dtype
+    model.to(device)
+    dtype = compute_dtype(mode)
+    for m in model.modules():
+        bias = getattr(m, "qkv_bias", None)
+        if isinstance(bias, nn.Parameter):
+            m.qkv_bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        if isinstance(m, CudaEmbedding):
+            m.release_bytes()   # the head, tied or not, is built by now
 
 
 __all__ = ["ARCHITECTURES", "WEIGHT_MODES", "build_model", "UnsupportedArchitectureError"]

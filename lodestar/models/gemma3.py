@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
+from lodestar.layers.activation import gelu_tanh_mul
 from lodestar.layers.attention import AttentionBatch
 from lodestar.layers.norm import OffsetRMSNorm
 from lodestar.layers.rotary import RotaryEmbedding
@@ -54,7 +54,7 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
-        return self.down(F.gelu(gate, approximate="tanh") * up)
+        return self.down(gelu_tanh_mul(gate, up))
 
 
 class Gemma3Block(nn.Module):

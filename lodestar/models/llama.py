@@ -8,16 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
+from lodestar.layers.activation import silu_mul
 from lodestar.layers.attention import AttentionBatch, paged_attention, write_kv
 from lodestar.layers.norm import RMSNorm
 from lodestar.layers.rotary import RotaryEmbedding
 from lodestar.models.weights import WeightLoader, split_fused
 
 # llama.cpp stores Llama/Mistral q and k rows interleaved for its rope; undo that at load.
+# Hugging Face checkpoints (config.extra["hf_layout"]) keep the rotate-half order already.
 PERMUTED_QK_ARCHS = {"llama", "mistral"}
 
 
@@ -40,7 +41,7 @@ class LlamaArgs:
     def from_config(cls, cfg: ModelConfig) -> "LlamaArgs":
         return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
                    cfg.vocab_size, cfg.rms_eps, cfg.rope_theta, cfg.rope_dim, cfg.context_length,
-                   cfg.arch in PERMUTED_QK_ARCHS)
+                   cfg.arch in PERMUTED_QK_ARCHS and not cfg.extra.get("hf_layout", False))
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
@@ -107,7 +108,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(gate, up))
 
 
 class LlamaBlock(nn.Module):
@@ -119,8 +120,8 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(a, w, i)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), positions, batch)
-        return h + self.mlp(self.ffn_norm(h))
+        h, y = self.ffn_norm.add_norm(x, self.attn(self.attn_norm(x), positions, batch))
+        return h + self.mlp(y)
 
 
 class LlamaModel(nn.Module):

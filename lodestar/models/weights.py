@@ -22,17 +22,23 @@ class WeightLoader:
 
     ``packed`` keeps GGUF blocks packed (QuantizedLinear); ``fp32``/``bf16`` dequantize at
     load. Projections that share an input (q|k|v, gate|up) are fused into one matmul when
-    ``fuse`` is set and their types agree; the exact fp32 path keeps them separate so each
-    output is computed exactly as the reference computes it.
+    ``fuse`` is set and their types agree; the exact fp32 CPU path keeps them separate so
+    each output is computed exactly as the reference computes it.
+
+    On a CUDA ``device`` the layers come from ``lodestar.layers.cuda_linear`` (Triton
+    kernels over repacked blocks, or dense bf16/fp32), always fused.
     """
 
     def __init__(self, source: TensorSource, mode: str = "packed",
-                 on_tensor: Callable[[object], None] | None = None) -> None:
+                 on_tensor: Callable[[object], None] | None = None,
+                 device: str | torch.device = "cpu") -> None:
         if mode not in WEIGHT_MODES:
             raise ValueError(f"weight mode {mode!r}; choose one of {', '.join(WEIGHT_MODES)}")
         self.source = source
         self.mode = mode
-        self.fuse = mode != "fp32"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.fuse = mode != "fp32" or self.cuda
         self.on_tensor = on_tensor  # progress hook, called once per tensor read
 
     def has(self, name: str) -> bool:
@@ -55,7 +61,13 @@ class WeightLoader:
         t = self.tensor(name)
         data = t.data if row_order is None else t.data[row_order]
         out_features, in_features = t.shape
-        return qlinear.make_linear(t.qtype, data, in_features, out_features, self.mode)
+        return self._make_linear(t.qtype, data, in_features, out_features)
+
+    def _make_linear(self, qtype, data: torch.Tensor, in_features: int, out_features: int) -> nn.Module:
+        if self.cuda:
+            from lodestar.layers import cuda_linear
+            return cuda_linear.make_linear(qtype, data, in_features, out_features, self.mode, self.device)
+        return qlinear.make_linear(qtype, data, in_features, out_features, self.mode)
 
     def linears(self, names: Sequence[str], row_orders: Sequence[torch.Tensor | None] | None = None
                 ) -> list[nn.Module] | nn.Module:
@@ -68,11 +80,14 @@ class WeightLoader:
         parts = [t.data if r is None else t.data[r] for t, r in zip(ts, row_orders)]
         data = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=0)
         out_features = sum(t.shape[0] for t in ts)
-        return qlinear.make_linear(ts[0].qtype, data, ts[0].shape[1], out_features, self.mode)
+        return self._make_linear(ts[0].qtype, data, ts[0].shape[1], out_features)
 
     def embedding(self, name: str) -> nn.Module:
         t = self.tensor(name)
         num, dim = t.shape
+        if self.cuda:
+            from lodestar.layers import cuda_linear
+            return cuda_linear.make_embedding(t.qtype, t.data, num, dim, self.mode, self.device)
         return qlinear.make_embedding(t.qtype, t.data, num, dim, self.mode)
 
     def head(self, name: str, tied_embedding: nn.Module) -> nn.Module:

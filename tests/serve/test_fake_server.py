@@ -302,8 +302,11 @@ def test_unsupported_content_is_a_400_naming_the_field(oai, ant):
 
 
 def test_index_page_placeholder_and_static_file(fake_engine, fake_url, tmp_path):
-    r = httpx.get(fake_url + "/")
-    assert r.status_code == 200 and "lodestar" in r.text and MODEL in r.text
+    bare = build_app(fake_engine, ServeConfig(model_names=(MODEL,), static_dir=tmp_path / "none"))
+    with serve_in_thread(bare) as url:
+        r = httpx.get(url + "/")
+        assert r.status_code == 200 and "lodestar" in r.text and MODEL in r.text
+    assert "<script" in httpx.get(fake_url + "/").text      # the shipped chat page
     (tmp_path / "index.html").write_text("<h1>chat ui</h1>")
     (tmp_path / "app.js").write_text("console.log(1)")
     app = build_app(fake_engine, ServeConfig(model_names=(MODEL,), static_dir=tmp_path))

@@ -1,0 +1,567 @@
+"""GPU benchmark stages for ``scripts/device_bench.sh`` (one H200, no network).
+
+Each stage runs in its own process (``python -m lodestar.bench.gpu STAGE --json FILE``)
+and merges its results into one JSON file after every cell, so a stage that fails or
+runs out of time still leaves what it measured (and its error). Models are synthetic
+(``formats.synthetic``: random weights of real geometries built in GPU memory, the same
+tensor types and kernels as a GGUF file of that type); EOS is ignored and sampling is
+greedy. Every cell reports min / median / max of 3 runs after a warm-up run, and the
+peak GPU memory.
+
+Stages:
+  env     device, versions, device-copy bandwidth (a 2 GiB torch copy, read + write bytes)
+  small   SmolLM2-135M geometry, F16 and Q4_0: single-stream decode, prefill 512 / 4096
+  8b-f16  Llama-3.1-8B geometry, F16 (bf16 weights): decode, prefill, aggregate decode at
+          batch 1..64 (prompt 128, 256 new)
+  8b-q4k  Llama-3.1-8B, Q4_K (Q6_K head): decode, prefill
+  8b-q4_0 Llama-3.1-8B, Q4_0 (Q8_0 head): decode, prefill
+  sweep   Llama-3.1-8B Q4_K decode at context 1k..32k (CSV + SVG); the context is filled
+          with zeros rather than prefilled, which changes no byte read per token
+  hf      Hugging Face transformers (eager generate, sdpa attention) against lodestar on
+          the same synthetic safetensors folders (SmolLM2, Llama-3.2-1B)
+
+Roofline: decode tok/s <= copy bandwidth / (weight bytes + KV bytes read per token).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+RUNS = 3
+SEED = 1234
+
+
+# --------------------------------------------------------------------------- results
+
+class Results:
+    """One JSON file shared by all stages; rewritten (atomically) after every cell."""
+
+    def __init__(self, path: Path, stage: str, deadline: float) -> None:
+        self.path, self.stage, self.deadline = path, stage, deadline
+        self.doc = json.loads(path.read_text()) if path.is_file() else {}
+        self.section = self.doc.setdefault("stages", {}).setdefault(stage, {"cells": {}, "errors": []})
+        self.section["started"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        self.save()
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def put(self, key: str, value) -> None:
+        self.section["cells"][key] = value
+        self.save()
+
+    def error(self, key: str, exc: BaseException) -> None:
+        self.section["errors"].append({"cell": key, "error": f"{type(exc).__name__}: {exc}",
+                                       "traceback": traceback.format_exc()[-3000:]})
+        self.save()
+
+    def cell(self, key: str, fn, need_s: float = 10.0) -> None:
+        """Run ``fn() -> dict`` unless too little time is left; record result or error."""
+        if self.left() < need_s:
+            self.put(key, {"skipped": f"out of time ({self.left():.0f}s left, needs ~{need_s:.0f}s)"})
+            return
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            out = fn()
+            out["peak_gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+            out["peak_gpu_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 1e9, 3)
+            self.put(key, out)
+        except Exception as e:   # one failing cell must not stop the others
+            self.error(key, e)
+            print(f"[{self.stage}] {key} failed: {e}", file=sys.stderr)
+
+    def save(self) -> None:
+        self.section["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+def stat(values: list[float], digits: int = 2) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits), "runs": [round(v, digits) for v in values]}
+
+
+# ----------------------------------------------------------------------------- models
+
+def synthetic_engine(geometry: str, qtype: str, mode: str = "packed", max_len: int = 8192,
+                     max_seqs: int = 64, kv_tokens: int | None = None, context: int | None = None):
+    """(engine, load seconds, checkpoint bytes) for a synthetic model on the GPU."""
+    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
+    from lodestar.engine.loader import LoadedModel
+    from lodestar.formats.synthetic import SyntheticCheckpoint, tokenizer_metadata_or_synthetic
+    from lodestar.models import build_model
+    from lodestar.tokenizer import Tokenizer
+    release()
+    t0 = time.perf_counter()
+    ck = SyntheticCheckpoint(geometry, qtype, device="cuda", seed=SEED)
+    if context:
+        ck.config = dataclasses.replace(ck.config, context_length=context)
+    model = build_model(ck.config, ck, mode, device="cuda")
+    meta, _ = tokenizer_metadata_or_synthetic(ck.config.vocab_size)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    loaded = LoadedModel(Path(f"synthetic-{geometry}-{qtype}"), None, ck.config, model, Tokenizer.from_metadata(meta),
+                         mode, load_s, "cuda")
+    cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, max_len), block_size=16,
+                       max_model_len=max_len, kv_tokens=kv_tokens or max_len, enable_prefix_cache=False,
+                       device="cuda")
+    return LLMEngine(loaded, cfg), load_s, ck.weight_bytes
+
+
+def read_bytes_per_token(model) -> int:
+    """Bytes of every weight a decode step reads in full (linear layers and the head)."""
+    from lodestar.layers.cuda_linear import CudaDenseLinear, CudaQuantLinear
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, CudaQuantLinear):
+            key = id(m.weight.codes)
+        elif isinstance(m, CudaDenseLinear):
+            key = id(m.weight)
+        else:
+            continue
+        if key not in seen:
+            seen.add(key)
+            total += m.nbytes
+    return total
+
+
+def kv_bytes_per_token(engine) -> int:
+    """KV bytes per cached token (all layers, K and V)."""
+    return sum(2 * l.k_cache[0].numel() * l.k_cache.element_size() for l in engine.loaded.model.attention_layers)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = SEED) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # ids past the control tokens, so no prompt holds a special token by chance
+    return torch.randint(10, vocab, (n, length), generator=g).tolist()
+
+
+def timed_generate(engine, batch: list[list[int]], new: int) -> dict:
+    """Run ``batch`` to ``new`` tokens each; time to first token (all rows) and decode time."""
+    from lodestar.engine.sampling import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in batch]
+    counts = dict.fromkeys(ids, 0)
+    first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            counts[out.request_id] += len(out.token_ids)
+        if first is None and all(counts[i] >= 1 for i in ids):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    tokens = sum(counts.values())
+    return {"ttft_s": first - t0, "decode_s": end - first, "tokens": tokens,
+            "decode_tok_s": (tokens - len(ids)) / max(end - first, 1e-9)}
+
+
+def decode_cell(engine, weight_read: int, bandwidth: float | None, prompt_len: int = 128, new: int = 256) -> dict:
+    vocab = engine.loaded.config.vocab_size
+    p = prompts(1, prompt_len, vocab)
+    timed_generate(engine, p, 16)                               # warm-up: kernels, graph capture
+    runs = [timed_generate(engine, p, new)["decode_tok_s"] for _ in range(RUNS)]
+    out = {"prompt_tokens": prompt_len, "new_tokens": new, "decode_tok_s": stat(runs),
+           "weight_bytes_read_per_token": weight_read, "cuda_graph_replays": engine.runner.graph_replays}
+    if bandwidth:
+        kv = kv_bytes_per_token(engine) * (prompt_len + new // 2)
+        roof = bandwidth / (weight_read + kv)
+        out.update(roofline_tok_s=round(roof, 1), fraction_of_roofline=round(statistics.median(runs) / roof, 3))
+    return out
+
+
+def prefill_cell(engine, length: int) -> dict:
+    vocab = engine.loaded.config.vocab_size
+    p = prompts(1, length, vocab, seed=SEED + length)
+    timed_generate(engine, p, 1)
+    runs = []
+    for _ in range(RUNS):
+        r = timed_generate(engine, p, 1)
+        runs.append(length / r["ttft_s"])
+    return {"prompt_tokens": length, "prefill_tok_s": stat(runs, 1)}
+
+
+def batch_cell(engine, size: int, prompt_len: int = 128, new: int = 256) -> dict:
+    vocab = engine.loaded.config.vocab_size
+    p = prompts(size, prompt_len, vocab, seed=SEED + size)
+    timed_generate(engine, p, 8)
+    runs = [timed_generate(engine, p, new)["decode_tok_s"] for _ in range(RUNS)]
+    return {"batch": size, "prompt_tokens": prompt_len, "new_tokens": new, "aggregate_decode_tok_s": stat(runs, 1),
+            "per_stream_tok_s": round(statistics.median(runs) / size, 1)}
+
+
+def release() -> None:
+    """Return the memory of models and engines no longer referenced."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bandwidth_from(results: Results) -> float | None:
+    env = results.doc.get("stages", {}).get("env", {}).get("cells", {}).get("copy_bandwidth", {})
+    bw = env.get("bytes_per_s")
+    return float(bw) if bw else None
+
+
+# ----------------------------------------------------------------------------- stages
+
+def stage_env(r: Results) -> None:
+    def info():
+        p = torch.cuda.get_device_properties(0)
+        try:
+            import triton
+            tv = triton.__version__
+        except ImportError:
+            tv = None
+        from lodestar.bench.common import git_commit
+        return {"device": p.name, "sms": p.multi_processor_count, "memory_gb": round(p.total_memory / 1e9, 1),
+                "torch": torch.__version__, "cuda": torch.version.cuda, "triton": tv, "python": sys.version.split()[0],
+                "commit": git_commit()}
+
+    def copy_bandwidth():
+        n = 2 << 30
+        a = torch.empty(n, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        a.fill_(1)
+        for _ in range(3):
+            b.copy_(a)
+        times = []
+        for _ in range(7):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            b.copy_(a)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        bw = 2 * n / statistics.median(times)
+        del a, b
+        release()
+        return {"bytes": n, "bytes_per_s": bw, "gb_per_s": round(bw / 1e9, 1),
+                "note": "read + write bytes of a 2 GiB device copy, median of 7"}
+
+    r.cell("device", info, 5)
+    r.cell("copy_bandwidth", copy_bandwidth, 5)
+
+
+def _model_cells(r: Results, geometry: str, qtype: str, prefill: tuple[int, ...] = (512, 4096),
+                 batches: tuple[int, ...] = (), context: int | None = None) -> None:
+    key = f"{geometry}-{qtype}"
+    bw = bandwidth_from(r)
+    max_len = 4096 + 64
+    kv = max(max_len, max(batches, default=1) * (128 + 256 + 16))
+    state = {}
+
+    def load():
+        engine, load_s, file_bytes = synthetic_engine(geometry, qtype, max_len=max_len, kv_tokens=kv, context=context)
+        state["engine"] = engine
+        state["read"] = read_bytes_per_token(engine.loaded.model)
+        return {"load_s": round(load_s, 2), "checkpoint_bytes": file_bytes, "weight_bytes_read_per_token": state["read"],
+                "kv_bytes_per_token": kv_bytes_per_token(engine)}
+
+    r.cell(f"{key}/load", load, 20)
+    if "engine" not in state:
+        return
+    engine = state["engine"]
+    r.cell(f"{key}/decode", lambda: decode_cell(engine, state["read"], bw), 15)
+    for n in prefill:
+        r.cell(f"{key}/prefill_{n}", lambda n=n: prefill_cell(engine, n), 10)
+    for b in batches:
+        r.cell(f"{key}/batch_{b}", lambda b=b: batch_cell(engine, b), 12)
+    state.clear()
+    del engine
+    release()
+
+
+def stage_small(r: Results) -> None:
+    _model_cells(r, "smollm2-135m", "F16")
+    _model_cells(r, "smollm2-135m", "Q4_0")
+
+
+def stage_8b_f16(r: Results) -> None:
+    _model_cells(r, "llama-3.1-8b", "F16", batches=(1, 2, 4, 8, 16, 32, 64))
+
+
+def stage_8b_q4k(r: Results) -> None:
+    _model_cells(r, "llama-3.1-8b", "Q4_K")
+
+
+def stage_8b_q4_0(r: Results) -> None:
+    _model_cells(r, "llama-3.1-8b", "Q4_0")
+
+
+def stage_sweep(r: Results, csv_path: Path | None, svg_path: Path | None) -> None:
+    from lodestar.engine.sequence import Sequence
+    contexts = (1024, 2048, 4096, 8192, 16384, 32768)
+    new = 64
+    max_len = contexts[-1] + new + 16
+    state = {}
+
+    def load():
+        engine, load_s, _ = synthetic_engine("llama-3.1-8b", "Q4_K", max_len=max_len, max_seqs=1, kv_tokens=max_len,
+                                             context=65536)
+        state["engine"] = engine
+        return {"load_s": round(load_s, 2)}
+
+    r.cell("llama-3.1-8b-Q4_K/load", load, 20)
+    if "engine" not in state:
+        return
+    engine = state["engine"]
+    runner, pool = engine.runner, engine.pool
+    read = read_bytes_per_token(engine.loaded.model)
+    kvb = kv_bytes_per_token(engine)
+    bw = bandwidth_from(r)
+    rows = []
+
+    def decode_at(ctx: int) -> float:
+        seq = Sequence(10**6 + ctx, prompts(1, ctx, engine.loaded.config.vocab_size)[0], None)
+        runner.ensure_blocks(seq, ctx)
+        seq.num_computed = ctx - 1      # the cache holds ctx - 1 (zero) entries: no prefill needed
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(new):
+            logits = runner.run([seq], [1])
+            seq.output_ids.append(int(logits[0].argmax()))
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        pool.free(seq.block_table)
+        return new / dt
+
+    for ctx in contexts:
+        def cell(ctx=ctx):
+            decode_at(ctx)
+            runs = [decode_at(ctx) for _ in range(RUNS)]
+            out = {"context": ctx, "new_tokens": new, "decode_tok_s": stat(runs),
+                   "ms_per_token": round(1e3 / statistics.median(runs), 3)}
+            if bw:
+                roof = bw / (read + kvb * (ctx + new // 2))
+                out.update(roofline_tok_s=round(roof, 1), fraction_of_roofline=round(statistics.median(runs) / roof, 3))
+            rows.append(out)
+            return out
+        r.cell(f"llama-3.1-8b-Q4_K/context_{ctx}", cell, 8)
+    if csv_path and rows:
+        lines = ["context,decode_tok_s_median,decode_tok_s_min,decode_tok_s_max,ms_per_token,roofline_tok_s"]
+        lines += [f"{o['context']},{o['decode_tok_s']['median']},{o['decode_tok_s']['min']},{o['decode_tok_s']['max']},"
+                  f"{o['ms_per_token']},{o.get('roofline_tok_s', '')}" for o in rows]
+        csv_path.write_text("\n".join(lines) + "\n")
+    if svg_path and rows:
+        svg_path.write_text(svg_plot(rows))
+    state.clear()
+    del engine, runner
+    release()
+
+
+def svg_plot(rows: list[dict]) -> str:
+    """Decode tok/s (and roofline) against context, log2 x axis, as a small SVG."""
+    import math
+    W, H, L, B = 640, 360, 60, 40
+    xs = [math.log2(o["context"]) for o in rows]
+    ys = [o["decode_tok_s"]["median"] for o in rows]
+    roof = [o.get("roofline_tok_s") for o in rows]
+    ymax = max(ys + [v for v in roof if v]) * 1.1
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+
+    def px(x, y):
+        return L + (x - x0) / (x1 - x0) * (W - L - 20), H - B - y / ymax * (H - B - 20)
+
+    def line(vals, color, dash=""):
+        pts = " ".join(f"{px(x, y)[0]:.1f},{px(x, y)[1]:.1f}" for x, y in zip(xs, vals) if y)
+        return f'<polyline fill="none" stroke="{color}" stroke-width="2" {dash} points="{pts}"/>'
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+             f'<rect width="{W}" height="{H}" fill="white"/>',
+             f'<line x1="{L}" y1="{H - B}" x2="{W - 20}" y2="{H - B}" stroke="black"/>',
+             f'<line x1="{L}" y1="20" x2="{L}" y2="{H - B}" stroke="black"/>',
+             line(ys, "#1f77b4"), line(roof, "#d62728", 'stroke-dasharray="5,4"')]
+    for o, x in zip(rows, xs):
+        X, _ = px(x, 0)
+        parts.append(f'<text x="{X:.0f}" y="{H - B + 16}" text-anchor="middle">{o["context"] // 1024}k</text>')
+    for i in range(5):
+        y = ymax * i / 4
+        _, Y = px(x0, y)
+        parts.append(f'<text x="{L - 6}" y="{Y + 4:.0f}" text-anchor="end">{y:.0f}</text>')
+    parts += [f'<text x="{W / 2}" y="{H - 6}" text-anchor="middle">context (tokens)</text>',
+              '<text x="14" y="14">decode tok/s — Llama-3.1-8B geometry, Q4_K, batch 1 '
+              '(blue: measured, red dashed: bandwidth roofline)</text>', "</svg>"]
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------ HF transformers
+
+def write_hf_folder(geometry: str, out: Path) -> Path:
+    """A synthetic bf16 Hugging Face folder (config, tokenizer, shards), weights made on the GPU."""
+    from safetensors.torch import save_file
+
+    from lodestar.formats.synthetic import GEOMETRIES, hf_tokenizer_files, tokenizer_metadata_or_synthetic
+    g = GEOMETRIES[geometry]
+    d = out / f"{geometry}-bf16-hf"
+    if (d / "config.json").is_file():
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+
+    def w(rows, cols):
+        return (torch.randn(rows, cols, generator=gen, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
+    shard, shard_bytes, files, index = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(d / name), metadata={"format": "pt"})
+            files.append(name)
+            index.update(dict.fromkeys(shard, name))
+            shard, shard_bytes = {}, 0
+
+    def add(name, t):
+        nonlocal shard_bytes
+        shard[name] = t
+        shard_bytes += t.numel() * t.element_size()
+        if shard_bytes > (2 << 30):
+            flush()
+
+    add("model.embed_tokens.weight", w(g.vocab, g.d_model))
+    for i in range(g.n_layers):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", ones(g.d_model))
+        add(p + "post_attention_layernorm.weight", ones(g.d_model))
+        add(p + "self_attn.q_proj.weight", w(q, g.d_model))
+        add(p + "self_attn.k_proj.weight", w(kv, g.d_model))
+        add(p + "self_attn.v_proj.weight", w(kv, g.d_model))
+        add(p + "self_attn.o_proj.weight", w(g.d_model, q))
+        add(p + "mlp.gate_proj.weight", w(g.ffn_dim, g.d_model))
+        add(p + "mlp.up_proj.weight", w(g.ffn_dim, g.d_model))
+        add(p + "mlp.down_proj.weight", w(g.d_model, g.ffn_dim))
+    add("model.norm.weight", ones(g.d_model))
+    if not g.tied:
+        add("lm_head.weight", w(g.vocab, g.d_model))
+    flush()
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": g.d_model,
+        "num_hidden_layers": g.n_layers, "num_attention_heads": g.n_heads, "num_key_value_heads": g.n_kv_heads,
+        "head_dim": g.head_dim, "intermediate_size": g.ffn_dim, "vocab_size": g.vocab,
+        "max_position_embeddings": g.context, "rms_norm_eps": 1e-5, "rope_theta": g.rope_theta,
+        "tie_word_embeddings": g.tied, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}))
+    meta, _ = tokenizer_metadata_or_synthetic(g.vocab)
+    for name, text in hf_tokenizer_files(meta).items():
+        (d / name).write_text(text)
+    return d
+
+
+def hf_decode_tok_s(folder: Path, prompt: list[int], new: int) -> dict:
+    import transformers
+    from transformers import AutoModelForCausalLM
+    t0 = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    except TypeError:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([prompt], device="cuda")
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    gen(8)
+    runs = []
+    for _ in range(RUNS):
+        t1, tn = gen(1), gen(new)
+        runs.append((new - 1) / (tn - t1))
+    attn = getattr(model.config, "_attn_implementation", None)
+    del model
+    release()
+    return {"transformers": transformers.__version__, "attn_implementation": attn, "load_s": round(load_s, 2),
+            "decode_tok_s": stat(runs)}
+
+
+def lodestar_decode_on_folder(folder: Path, prompt: list[int], new: int) -> dict:
+    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
+    from lodestar.engine.loader import load_model
+    release()
+    loaded = load_model(str(folder), mode="packed", progress=False, device="cuda")
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=1, max_model_len=1024, kv_tokens=1024,
+                                            enable_prefix_cache=False, device="cuda"))
+    timed_generate(engine, [prompt], 16)
+    runs = [timed_generate(engine, [prompt], new)["decode_tok_s"] for _ in range(RUNS)]
+    out = {"load_s": round(loaded.load_seconds, 2), "decode_tok_s": stat(runs)}
+    del engine, loaded
+    release()
+    return out
+
+
+def stage_hf(r: Results, workdir: Path) -> None:
+    new = 128
+    for geometry, need in (("smollm2-135m", 30), ("llama-3.2-1b", 60)):
+        def cell(geometry=geometry):
+            t0 = time.perf_counter()
+            folder = write_hf_folder(geometry, workdir)
+            write_s = time.perf_counter() - t0
+            prompt = prompts(1, 128, 49152)[0]
+            hf = hf_decode_tok_s(folder, prompt, new)
+            ours = lodestar_decode_on_folder(folder, prompt, new)
+            ratio = ours["decode_tok_s"]["median"] / hf["decode_tok_s"]["median"]
+            return {"folder_write_s": round(write_s, 1), "prompt_tokens": 128, "new_tokens": new,
+                    "hf_transformers": hf, "lodestar": ours, "lodestar_over_hf": round(ratio, 2)}
+        r.cell(f"{geometry}-bf16-safetensors", cell, need)
+
+
+# ------------------------------------------------------------------------------- main
+
+STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
+          "8b-q4_0": stage_8b_q4_0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=[*STAGES, "sweep", "hf"])
+    ap.add_argument("--json", type=Path, required=True, help="results file (merged into)")
+    ap.add_argument("--seconds", type=float, default=120.0, help="time this stage may take")
+    ap.add_argument("--csv", type=Path, default=None)
+    ap.add_argument("--svg", type=Path, default=None)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/lodestar-bench"))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("lodestar.bench.gpu: no CUDA device", file=sys.stderr)
+        return 2
+    # leave a few seconds for the process to exit cleanly
+    r = Results(a.json, a.stage, time.time() + a.seconds - 5)
+    try:
+        if a.stage == "sweep":
+            stage_sweep(r, a.csv, a.svg)
+        elif a.stage == "hf":
+            a.workdir.mkdir(parents=True, exist_ok=True)
+            stage_hf(r, a.workdir)
+        else:
+            STAGES[a.stage](r)
+    except Exception as e:
+        r.error("stage", e)
+        return 1
+    r.section["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    r.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Fused element-wise kernels for the GPU path, each with its torch reference.
+
+``rms_norm`` [``rms_norm_ref``]
+    RMSNorm over the last dim of a [A, B, D] view (row strides free, last dim contiguous),
+    optionally adding a residual first: ``r = x + residual`` (rounded to the activation
+    dtype, as the unfused add would), ``y = norm(r)``; returns ``y`` (and ``r``). Statistics
+    in fp32. ``offset=False``: ``w * y.to(dtype)`` (Llama); ``offset=True``:
+    ``(y * w).to(dtype)`` (Gemma, whose ``w`` already holds ``1 + w``).
+``rope_`` [``rope_ref``]
+    Rotate-half rotary embedding applied in place to q ``[T, Hq, D]`` and k ``[T, Hk, D]``
+    (views into the fused qkv output are fine) from fp32 cos/sin tables indexed by
+    position; the first ``rotary_dim`` dims rotate, the rest pass through. fp32 math,
+    one rounding.
+``silu_mul`` / ``gelu_tanh_mul`` [``*_ref``]
+    ``act(gate) * up`` over [T, F] views (gate and up may be halves of one fused output),
+    fp32 math, one rounding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lodestar.kernels.triton_quant import triton_enabled
+
+
+def _pow2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.unsqueeze(1) if x.dim() == 2 else x
+
+
+# ------------------------------------------------------------------------- RMSNorm
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x`` (2-D or 3-D) -> contiguous result in x's dtype; with ``residual``
+    returns ``(norm(x + residual), x + residual)``."""
+    shape = x.shape
+    x3 = _as_3d(x)
+    A, B, D = x3.shape
+    out = torch.empty(shape, device=x.device, dtype=x.dtype)
+    res_in = _as_3d(residual) if residual is not None else x3
+    res_out = torch.empty(shape, device=x.device, dtype=x.dtype) if residual is not None else out
+    _rms_norm_kernel[(A * B,)](
+        x3, res_in, weight, out, res_out, B, x3.stride(0), x3.stride(1), res_in.stride(0), res_in.stride(1),
+        eps, D=D, BLOCK=_pow2(D), OFFSET=offset, HAS_RES=residual is not None,
+        num_warps=4 if D <= 2048 else 8)
+    return (out, res_out) if residual is not None else out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+                 residual: torch.Tensor | None = None):
+    r = x if residual is None else (x + residual)
+    h = r.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = (h * weight).to(x.dtype) if offset else (weight * h.to(x.dtype)).to(x.dtype)
+    return y if residual is None else (y, r)
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place; ``cos``/``sin`` ``[P, rotary_dim]`` fp32."""
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    if T == 0:
+        return q, k
+    half = rotary_dim // 2
+    _rope_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                       cos.stride(0), Hq=Hq, Hk=Hk, HQ_PAD=_pow2(Hq),
+                       HK_PAD=_pow2(Hk), HALF=half, HALF_PAD=_pow2(half),
+                       num_warps=4)
+    return q, k
+
+
+def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rotate-half reference (returns new tensors)."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        rot, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = rot * c + torch.cat((-x2, x1), dim=-1) * s
+        return torch.cat((rotated, rest), dim=-1).to(x.dtype)
+
+    return apply(q), apply(k)
+
+
+# ---------------------------------------------------------------------- activations
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    T, Fd = gate.shape
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    if up.stride(-1) != 1:
+        up = up.contiguous()
+    out = torch.empty(T, Fd, device=gate.device, dtype=gate.dtype)
+    block = 1024
+    _glu_kernel[(T, -(-Fd // block))](gate, up, out, gate.stride(0), up.stride(0), Fd,
+                                             ACT=act, BLOCK=block, num_warps=4)
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for [T, F] views."""
+    return _glu(gate, up, 0)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for [T, F] views."""
+    return _glu(gate, up, 1)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def gelu_tanh_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)
+
+
+# --------------------------------------------------------------------------- kernels
+
+if triton_enabled():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, B, sx0, sx1, sr0, sr1, eps,
+                         D: tl.constexpr, BLOCK: tl.constexpr, OFFSET: tl.constexpr, HAS_RES: tl.constexpr):
+        row = tl.program_id(0)
+        a = (row // B).to(tl.int64)
+        b = (row % B).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(x_ptr + a * sx0 + b * sx1 + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + a * sr0 + b * sr1 + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(res_out_ptr + row.to(tl.int64) * D + cols, x, mask=mask)
+        h = x.to(tl.float32)
+        ms = tl.sum(h * h, 0) / D
+        h = h * tl.rsqrt(ms + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET:
+            y = h * w
+        else:
+            y = w * h.to(x.dtype).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_rows(ptr, pos_cos, pos_sin, t, stride_t, stride_h, H: tl.constexpr, H_PAD: tl.constexpr,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        heads = tl.arange(0, H_PAD)
+        cols = tl.arange(0, HALF_PAD)
+        mask = (heads[:, None] < H) & (cols[None, :] < HALF)
+        base = ptr + t.to(tl.int64) * stride_t + heads[:, None] * stride_h + cols[None, :]
+        x1 = tl.load(base, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0)
+        c = tl.load(pos_cos + cols, mask=cols < HALF, other=0.0)[None, :]
+        s = tl.load(pos_sin + cols, mask=cols < HALF, other=0.0)[None, :]
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        tl.store(base, (f1 * c - f2 * s).to(x1.dtype), mask=mask)
+        tl.store(base + HALF, (f2 * c + f1 * s).to(x1.dtype), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
+                     Hq: tl.constexpr, Hk: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+                     HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        t = tl.program_id(0)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        # cos/sin rows are [cos(f), cos(f)]: the first half serves both halves.
+        pc = cos_ptr + pos * s_cos
+        ps = sin_ptr + pos * s_cos
+        _rope_rows(q_ptr, pc, ps, t, sq0, sq1, Hq, HQ_PAD, HALF, HALF_PAD)
+        _rope_rows(k_ptr, pc, ps, t, sk0, sk1, Hk, HK_PAD, HALF, HALF_PAD)
+
+    @triton.jit
+    def _glu_kernel(g_ptr, u_ptr, out_ptr, sg, su, Fd, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < Fd
+        g = tl.load(g_ptr + t * sg + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + t * su + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))
+        else:
+            # 0.5 * (1 + tanh(z)) == sigmoid(2z): no cancellation for negative z
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)   # sqrt(2/pi) * (...)
+            a = g / (1.0 + tl.exp(-2.0 * z))
+        tl.store(out_ptr + t * Fd + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)

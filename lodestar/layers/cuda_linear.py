@@ -1,0 +1,143 @@
+"""Linear layers and embedding tables on a CUDA device.
+
+Activations are bf16 (``packed``/``bf16`` weight modes) or fp32 (``fp32`` mode).
+
+==================================  ===============================================
+weight type (mode ``packed``)       module
+==================================  ===============================================
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K  ``CudaQuantLinear``: GGUF blocks repacked once
+                                    (same bits, ``triton_quant.PackedWeight``); up to
+                                    64 rows run the fused Triton kernel, more rows
+                                    dequantize to bf16 and run one cuBLAS matmul
+F16, BF16, F32                      ``CudaDenseLinear`` over a bf16 copy
+Q5_0, Q5_1, Q2_K, Q3_K              ``CudaDenseLinear`` dequantized to bf16 at load
+==================================  ===============================================
+
+Modes ``bf16`` / ``fp32`` dequantize every weight at load (dense cuBLAS matmuls).
+Embedding tables are dense (bf16 or fp32) so a lookup is a plain gather; a tied head in
+``packed`` mode is a ``CudaQuantLinear`` over the same GGUF bytes, since the head is read
+in full every step and its bytes are what decode speed pays for.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
+from torch import nn
+
+from lodestar.kernels import dequant as dq
+
+T = GGMLQuantizationType
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+
+
+def compute_dtype(mode: str) -> torch.dtype:
+    """Activation (and KV) dtype on the GPU for a weight mode."""
+    return torch.float32 if mode == "fp32" else torch.bfloat16
+
+
+def _gpu_types():
+    from lodestar.kernels.triton_quant import GPU_QUANT_TYPES
+    return GPU_QUANT_TYPES
+
+
+def dense_weight(qtype: GGMLQuantizationType, data: torch.Tensor, rows: int, cols: int,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """GGUF bytes -> dense [rows, cols] ``dtype`` on ``device`` (dequantized on the device when it can)."""
+    qtype = T(int(qtype))
+    if qtype in FLOAT_TYPES:
+        raw = data.to(device).reshape(-1)
+        view = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qtype]
+        return raw.view(view).reshape(rows, cols).to(dtype).contiguous()
+    if qtype in _gpu_types() and device.type == "cuda":
+        from lodestar.kernels import triton_quant as tq
+        return tq.dequantize_packed(tq.pack(qtype, data.to(device), rows, cols), dtype)
+    return dq.dequantize(data.cpu(), qtype, (rows, cols)).to(device=device, dtype=dtype)
+
+
+class CudaQuantLinear(nn.Module):
+    """``y = x @ W.T`` with W packed for the Triton kernels; y in x's dtype."""
+
+    def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor, in_features: int,
+                 out_features: int, device: torch.device) -> None:
+        super().__init__()
+        from lodestar.kernels import triton_quant as tq
+        self._tq = tq
+        self.qtype = T(int(qtype))
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = tq.pack(self.qtype, data.to(device), out_features, in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = self._tq.matmul(x2, self.weight)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, cuda"
+
+
+class CudaDenseLinear(nn.Module):
+    """``y = x @ W.T`` with W dense (bf16 or fp32); y in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+
+class CudaEmbedding(nn.Module):
+    """Dense embedding table on the device; rows come back in the table's dtype."""
+
+    def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor, num_embeddings: int, dim: int,
+                 mode: str, device: torch.device) -> None:
+        super().__init__()
+        self.qtype = T(int(qtype))
+        self.num_embeddings, self.dim, self.mode, self.device = num_embeddings, dim, mode, device
+        self.register_buffer("weight", dense_weight(self.qtype, data, num_embeddings, dim, compute_dtype(mode), device),
+                             persistent=False)
+        # The bytes, kept only until the tied head (if any) is built from them.
+        self._data = data if mode == "packed" and self.qtype in _gpu_types() else None
+        self._head: nn.Module | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def as_linear(self) -> nn.Module:
+        if self._head is None:
+            if self._data is not None:
+                self._head = CudaQuantLinear(self.qtype, self._data, self.dim, self.num_embeddings, self.device)
+            else:
+                self._head = CudaDenseLinear(self.weight)
+        self._data = None
+        return self._head
+
+    def release_bytes(self) -> None:
+        """Drop the GGUF bytes once it is known that no tied head needs them."""
+        self._data = None
+
+
+def make_linear(qtype: GGMLQuantizationType | int, data: torch.Tensor, in_features: int, out_features: int,
+                mode: str, device: torch.device) -> nn.Module:
+    """A linear layer over GGUF bytes on a CUDA device (see the module table)."""
+    qtype = T(int(qtype))
+    if mode == "packed" and qtype in _gpu_types():
+        return CudaQuantLinear(qtype, data, in_features, out_features, device)
+    return CudaDenseLinear(dense_weight(qtype, data, out_features, in_features, compute_dtype(mode), device))
+
+
+def make_embedding(qtype: GGMLQuantizationType | int, data: torch.Tensor, num_embeddings: int, dim: int,
+                   mode: str, device: torch.device) -> nn.Module:
+    return CudaEmbedding(qtype, data, num_embeddings, dim, mode, device)

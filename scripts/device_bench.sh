@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in one command, for the lent H200 (no network).
+#
+#   OUT=/some/dir bash scripts/device_bench.sh          # from the repository root
+#
+# Uses the machine's python3 and torch. Python packages the machine lacks (gguf, pyyaml,
+# jinja2, tqdm, pytest, ...) are installed from wheels in .whl/ when that folder was
+# carried along; the package itself runs from the source tree (PYTHONPATH).
+# Every stage is time-boxed; a stage that fails or times out is recorded in bench.json
+# and the next one runs. The whole run stays under BUDGET_S seconds (default 530).
+# Writes under $OUT: pytest.xml (GPU tests), bench.json (all measurements, errors and
+# stage exit codes), sweep.csv + sweep.svg (decode speed against context), log.txt.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to the results folder}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+BUDGET=${BUDGET_S:-530}
+START=$(date +%s)
+LOG="$OUT/log.txt"
+JSON="$OUT/bench.json"
+DEPS=/tmp/lodestar-pydeps          # wheels from .whl/ are unpacked here, not into the system
+export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1
+: > "$LOG"
+
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+say() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+note() {  # append a line to bench.json's "runner" list (no torch import: it costs seconds)
+  $PY -c 'import json, os, sys
+p, msg = sys.argv[1], sys.argv[2]
+doc = json.load(open(p)) if os.path.isfile(p) else {}
+doc.setdefault("runner", []).append(msg)
+json.dump(doc, open(p + ".tmp", "w"), indent=1)
+os.replace(p + ".tmp", p)' "$JSON" "$*" >> "$LOG" 2>&1 || true
+}
+
+# stage NAME CAP_SECONDS COMMAND...: runs COMMAND for at most min(CAP, time left - 15 s)
+stage() {
+  local name=$1 cap=$2; shift 2
+  local l; l=$(left)
+  local t=$(( cap < l - 15 ? cap : l - 15 ))
+  if [ "$t" -lt 20 ]; then say "skip $name: ${l}s left"; note "$name: skipped, ${l}s left"; return; fi
+  say "stage $name (limit ${t}s)"
+  STAGE_SECONDS=$t timeout -k 10 "$t" "$@" >> "$LOG" 2>&1
+  local rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then say "$name: timed out after ${t}s"; note "$name: timed out after ${t}s"
+  else say "$name: exit $rc"; note "$name: exit $rc after $(( $(date +%s) - START ))s total"; fi
+}
+
+bench() { local name=$1 cap=$2; shift 2; stage "$name" "$cap" $PY -m lodestar.bench.gpu "$name" --json "$JSON" \
+  --seconds "$(( cap < $(left) - 15 ? cap : $(left) - 15 ))" "$@"; }
+
+# -- install: only what is missing, only from carried wheels -------------------------------
+say "python: $($PY --version 2>&1); torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)"
+missing=$($PY - <<'EOF'
+import importlib.util
+wheels = {"gguf": ["gguf", "pyyaml"], "yaml": ["pyyaml"], "tqdm": ["tqdm"], "jinja2": ["jinja2", "markupsafe"],
+          "markupsafe": ["markupsafe"], "pytest": ["pytest", "pluggy", "iniconfig", "packaging"],
+          "numpy": ["numpy"], "tokenizers": ["tokenizers"], "safetensors": ["safetensors"]}
+need = []
+for module, names in wheels.items():
+    if importlib.util.find_spec(module) is None:
+        need += [n for n in names if n not in need]
+print(" ".join(need))
+EOF
+)
+if [ -n "$missing" ]; then
+  say "missing python packages: $missing"
+  if [ -d .whl ]; then
+    for pkg in $missing; do
+      $PY -m pip install -q --no-index --no-deps --target "$DEPS" --find-links .whl "$pkg" >> "$LOG" 2>&1 \
+        && say "installed $pkg from .whl/" || say "no usable wheel for $pkg in .whl/ (see log)"
+    done
+  else
+    say "no .whl/ folder was carried: stages needing those packages will fail"
+  fi
+fi
+$PY -c "import lodestar.engine.llm_engine" >> "$LOG" 2>&1 || say "lodestar does not import (see log)"
+
+# -- stages, most important first -----------------------------------------------------------
+stage tests 130 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
+  tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
+  tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
+bench env 25
+bench small 70
+bench 8b-f16 110
+bench 8b-q4k 45
+bench sweep 60 --csv "$OUT/sweep.csv" --svg "$OUT/sweep.svg"
+bench 8b-q4_0 45
+bench hf 80 --workdir /tmp/lodestar-bench
+say "done in $(( $(date +%s) - START ))s"
+note "done in $(( $(date +%s) - START ))s"

@@ -1,0 +1,80 @@
+"""Triton quantized matmul and dequantization against their torch references.
+
+Runs on a CUDA device, or on the CPU under TRITON_INTERPRET=1 (see triton_helpers).
+The repacked layout itself is checked on every machine.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lodestar.kernels import triton_quant as tq
+from lodestar.kernels.dequant import dequantize
+
+from triton_helpers import kernel_device, random_gguf
+
+TYPES = [pytest.param(t, id=t.name) for t in tq.GPU_QUANT_TYPES]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_repack_is_exact(qtype):
+    data = random_gguf(qtype, 24, 512, seed=3)
+    pw = tq.pack(qtype, data, 24, 512)
+    want = dequantize(data, qtype, (24, 512))
+    assert torch.equal(tq.dequantize_packed_ref(pw).view(torch.int32), want.view(torch.int32))
+    gguf_bytes = data.numel()
+    assert pw.nbytes <= gguf_bytes * 1.03    # the same bits, a few bytes of alignment at most
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_kernel_bit_identical(qtype):
+    dev = kernel_device()
+    data = random_gguf(qtype, 40, 1024, seed=5)
+    pw = tq.pack(qtype, data.to(dev), 40, 1024)
+    want = dequantize(data, qtype, (40, 1024))
+    got = tq.dequantize_packed(pw, torch.float32).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    if dev == "cuda":   # the interpreter rounds fp32 -> bf16 by truncation; the GPU to nearest even
+        assert torch.equal(tq.dequantize_packed(pw, torch.bfloat16).cpu(), want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 80, 512), (33, 200, 2048)])
+def test_small_m_matmul_matches_reference(qtype, m, n, k):
+    dev = kernel_device()
+    data = random_gguf(qtype, n, k, seed=m + n)
+    pw = tq.pack(qtype, data.to(dev), n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    got = tq.quant_matmul(x.to(dev), pw, torch.float32).cpu()
+    # The weights are exact: only the fp32 summation order differs from the reference.
+    want = F.linear(x.float(), dequantize(data, qtype, (n, k)))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_K, id="Q4_K"), pytest.param(tq.T.Q8_0, id="Q8_0")])
+def test_rows_do_not_depend_on_the_batch(qtype):
+    """A row's output is bit-identical whatever rows share its batch (M = 1 .. 64)."""
+    dev = kernel_device()
+    n, k = 128, 1024
+    pw = tq.pack(qtype, random_gguf(qtype, n, k, seed=9).to(dev), n, k)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(dev)
+    alone = tq.quant_matmul(x[:1], pw)
+    for m in (2, 7, 16, 17, 40, 64):
+        assert torch.equal(tq.quant_matmul(x[:m], pw)[:1], alone), m
+
+
+def test_large_m_path_dequantizes_then_matmuls():
+    dev = kernel_device()
+    qtype, n, k, m = tq.T.Q4_0, 64, 512, tq.SMALL_M_MAX + 6
+    data = random_gguf(qtype, n, k, seed=2)
+    pw = tq.pack(qtype, data.to(dev), n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = tq.matmul(x.to(dev), pw).float().cpu()
+    want = F.linear(x.float(), dequantize(data, qtype, (n, k)).to(torch.bfloat16).float())
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_unsupported_type_names_the_supported_ones():
+    with pytest.raises(ValueError, match="no GPU kernel for Q3_K; kernels exist for Q4_0, Q4_1, Q8_0"):
+        tq.pack(tq.T.Q3_K, torch.zeros(1, 110, dtype=torch.uint8), 1, 256)
