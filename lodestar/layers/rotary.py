@@ -28,6 +28,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / freq_factors.float()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.max_positions = 0
+        self._step: tuple | None = None   # (positions, dtype, cos, sin) of the current step
         self._extend(max_positions)
 
     def _extend(self, n: int) -> None:
@@ -51,10 +52,16 @@ class RotaryEmbedding(nn.Module):
         if q.is_cuda:  # in place, fp32 math; tables sized by ensure_positions
             from lodestar.kernels.triton_fused import rope_
             return rope_(q, k, positions, self.cos, self.sin, self.rotary_dim)
-        if positions.numel() and int(positions.max()) >= self.max_positions:
-            self._extend(max(int(positions.max()) + 1, 2 * self.max_positions))
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        # Every layer of a step passes the same positions tensor: look the rows up once.
+        cached = self._step
+        if cached is not None and cached[0] is positions and cached[1] == q.dtype:
+            cos, sin = cached[2], cached[3]
+        else:
+            if positions.numel() and int(positions.max()) >= self.max_positions:
+                self._extend(max(int(positions.max()) + 1, 2 * self.max_positions))
+            cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+            sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+            self._step = (positions, q.dtype, cos, sin)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
 
