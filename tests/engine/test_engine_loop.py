@@ -32,10 +32,10 @@ def _params():
     out = []
     for i in range(len(NAMES)):
         if i % 3 == 2:
-            out.append(SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=8 + 5 * i,
+            out.append(SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=4 + 3 * i,
                                       ignore_eos=True))
         else:
-            out.append(SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True))
+            out.append(SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True))
     return out
 
 
