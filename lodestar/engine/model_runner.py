@@ -73,14 +73,7 @@ class ModelRunner:
                                      [s.num_computed + n for s, n in zip(seqs, num_new)],
                                      num_new, self.pool.block_size)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64), batch.positions(), batch)
-        for s, n in zip(seqs, num_new):
-            s.num_computed += n
-        rows = batch.query_start_loc[1:] - 1
-        if want_logits is not None:
-            rows = rows[torch.tensor(want_logits, dtype=torch.bool)]
-        if rows.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[rows])
+        return self._advance(seqs, num_new, batch, hidden, want_logits)
 
     # -- CUDA ------------------------------------------------------------------------
     def _run_device(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None
@@ -120,6 +113,11 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         positions = batch.positions().to(self.device, non_blocking=True)
         hidden = self.model(ids_t, positions, batch)
+        return self._advance(seqs, num_new, batch, hidden, want_logits)
+
+    def _advance(self, seqs: list[Sequence], num_new: list[int], batch: AttentionBatch, hidden: torch.Tensor,
+                 want_logits: list[bool] | None) -> torch.Tensor | None:
+        """Mark the fed tokens computed; logits at each wanted row's last new token."""
         for s, n in zip(seqs, num_new):
             s.num_computed += n
         rows = batch.query_start_loc[1:] - 1
@@ -127,7 +125,7 @@ class ModelRunner:
             rows = rows[torch.tensor(want_logits, dtype=torch.bool)]
         if rows.numel() == 0:
             return None
-        return self.model.compute_logits(hidden[rows.to(self.device)])
+        return self.model.compute_logits(hidden[rows.to(hidden.device)])
 
     def _forward_logits(self, g: dict) -> torch.Tensor:
         hidden = self.model(g["ids"], g["positions"], g["batch"])

@@ -328,19 +328,27 @@ class ToolCallParser:
         self._scanner, self._obj, self._state = _JSONScanner(), "", "whole"
         return True
 
-    def _step_whole(self, out: list[ToolEvent]) -> bool:
-        if not self._buf:
-            return False
+    def _take_json(self) -> tuple[bool, bool, object]:
+        """Feed the buffer to the JSON scanner: (complete?, parsed?, value)."""
         end = self._scanner.scan(self._buf)
         if end is None:
             self._obj += self._buf
             self._buf = ""
-            return False
+            return False, False, None
         self._obj += self._buf[:end]
         self._buf = self._buf[end:]
         try:
-            obj = json.loads(self._obj)
+            return True, True, json.loads(self._obj)
         except ValueError:
+            return True, False, None
+
+    def _step_whole(self, out: list[ToolEvent]) -> bool:
+        if not self._buf:
+            return False
+        done, ok, obj = self._take_json()
+        if not done:
+            return False
+        if not ok:
             return self._fail(out)
         if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
             obj = obj["function"]               # {"type": "function", "function": {...}}
@@ -394,16 +402,10 @@ class ToolCallParser:
     def _step_args_string(self, out: list[ToolEvent]) -> bool:
         if not self._buf:
             return False
-        end = self._scanner.scan(self._buf)
-        if end is None:
-            self._obj += self._buf
-            self._buf = ""
+        done, ok, text = self._take_json()
+        if not done:
             return False
-        self._obj += self._buf[:end]
-        self._buf = self._buf[end:]
-        try:
-            text = json.loads(self._obj)
-        except ValueError:
+        if not ok:
             return self._fail(out)
         self._obj = ""
         self._args(out, text)
