@@ -27,6 +27,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dir", default=None,
                    help="disk KV tier folder: computed prefixes persist here and are reused after a restart")
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt from scratch")
+    p.add_argument("--tensor-parallel", "--tp", type=int, default=1, metavar="N",
+                   help="split the model over N processes (one GPU each on CUDA, gloo on the CPU; default 1)")
+    p.add_argument("--tp-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="with --tensor-parallel: how long a rank waits for the others before the engine "
+                        "stops with an error (default 120)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -59,17 +64,37 @@ def _sampling_params(a: argparse.Namespace):
 def _load_engine(a: argparse.Namespace, progress: bool = True):
     import torch
 
-    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
-    from lodestar.engine.loader import load_model
+    from lodestar.engine.llm_engine import EngineConfig
     if a.threads:
         torch.set_num_threads(a.threads)
-    loaded = load_model(a.model, mode=a.dtype, progress=progress and sys.stderr.isatty(),
-                        device=getattr(a, "device", "cpu"))
-    cfg = EngineConfig(kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache)
+    loaded = _load_model(a, progress and sys.stderr.isatty())
+    cfg = EngineConfig(kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache,
+                       tensor_parallel=loaded.tensor_parallel)
     if a.ctx:
         cfg.max_model_len = a.ctx
         cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
-    return LLMEngine(loaded, cfg)
+    return _engine(loaded, cfg)
+
+
+def _load_model(a: argparse.Namespace, progress: bool):
+    """The model of --model/--dtype/--device, split over --tensor-parallel processes."""
+    from lodestar.engine.loader import load_model
+    if a.tensor_parallel < 1:
+        raise CLIError(f"--tensor-parallel {a.tensor_parallel}: needs at least 1")
+    if a.tensor_parallel > 1 and a.kv_dir:
+        raise CLIError("--kv-dir does not work with --tensor-parallel yet: each rank holds only a slice of the KV cache")
+    return load_model(a.model, mode=a.dtype, progress=progress, device=getattr(a, "device", "cpu"),
+                      tensor_parallel=a.tensor_parallel, tp_timeout_s=a.tp_timeout)
+
+
+def _engine(loaded, cfg):
+    """An engine over ``loaded``; a model whose engine cannot start stops its workers."""
+    from lodestar.engine.llm_engine import LLMEngine
+    try:
+        return LLMEngine(loaded, cfg)
+    except BaseException:
+        loaded.close()
+        raise
 
 
 def _prompt_ids(engine, text: str, raw: bool, system: str | None) -> list[int]:
@@ -105,6 +130,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         reason = "abort"
     finally:
         engine.close()
+        engine.loaded.close()
     t1 = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -160,6 +186,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return _chat_loop(engine, session, params, replace)
     finally:
         engine.close()
+        engine.loaded.close()
 
 
 def _chat_loop(engine, session, params, replace) -> int:
@@ -312,17 +339,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from lodestar.engine.async_engine import AsyncLLMEngine
     from lodestar.engine.llm_engine import EngineConfig, LLMEngine
-    from lodestar.engine.loader import load_model
     from lodestar.serve import ServeConfig, build_app
     def build_engine() -> LLMEngine:  # runs on the engine thread, which then owns all tensor work
         if a.threads:
             torch.set_num_threads(a.threads)
-        cfg = EngineConfig(max_num_seqs=a.max_num_seqs, kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache)
+        cfg = EngineConfig(max_num_seqs=a.max_num_seqs, kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache,
+                           tensor_parallel=a.tensor_parallel)
         if a.ctx:
             cfg.max_model_len = a.ctx
             cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
-        engine = LLMEngine(load_model(a.model, mode=a.dtype, progress=sys.stderr.isatty(),
-                                      device=getattr(a, "device", "cpu")), cfg)
+        engine = _engine(_load_model(a, sys.stderr.isatty()), cfg)
         engine.warmup()
         return engine
 
@@ -340,8 +366,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
-                print(f"lodestar: serving {names[0]} ({loaded.mode}, context {aeng.max_model_len}) at {url}  "
+                tp = f", tensor-parallel {loaded.tensor_parallel}" if loaded.tensor_parallel > 1 else ""
+                print(f"lodestar: serving {names[0]} ({loaded.mode}{tp}, context {aeng.max_model_len}) at {url}  "
                       f"[OpenAI: {url}/v1, Anthropic: {url}/v1/messages]", flush=True)
+
+        async def on_tick(self, counter: int) -> bool:
+            # An engine that stopped (a tensor-parallel worker died, the model failed) serves no
+            # one: its streams got the error already; stop instead of answering 503 forever.
+            if aeng.error is not None:
+                return True
+            return await super().on_tick(counter)
 
     server = Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=5))
     try:
@@ -350,7 +384,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         pass
     finally:
         aeng.shutdown()
+        loaded.close()
         sock.close()
+    if aeng.error is not None:
+        print(f"lodestar: error: engine stopped: {aeng.error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -358,6 +396,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     import importlib
     module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http"}[a.bench]
+    if a.tensor_parallel != 1:
+        from lodestar.engine.loader import TENSOR_PARALLEL_ENV
+        if a.tensor_parallel < 1:
+            raise CLIError(f"--tensor-parallel {a.tensor_parallel}: needs at least 1")
+        # The benchmarks build their engines with load_model(), whose default this sets.
+        os.environ[TENSOR_PARALLEL_ENV] = str(a.tensor_parallel)
     return importlib.import_module(f"lodestar.bench.{module}").main(a)
 
 
@@ -447,12 +491,16 @@ def main(argv: list[str] | None = None) -> int:
     from lodestar.formats.gguf import GGUFError
     from lodestar.models import UnsupportedArchitectureError
     from lodestar.tokenizer import TokenizerError
+    from lodestar.distributed import ShardingError, WorkerDiedError
     try:
         return a.func(a)
     except (CLIError, ContextLengthError, DeviceError, ModelNotFoundError, GGUFError, UnsupportedArchitectureError,
-            TokenizerError) as e:
+            TokenizerError, ShardingError) as e:
         print(f"lodestar: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except WorkerDiedError as e:
+        print(f"lodestar: error: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         return 0
 

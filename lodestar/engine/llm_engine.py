@@ -49,6 +49,7 @@ class EngineConfig:
     disk_max_bytes: int = 4 << 30
     device: str | None = None           # None: where the model was loaded; KV lives there too
     cuda_graphs: bool = True            # replay captured graphs for decode steps (CUDA only)
+    tensor_parallel: int = 1            # ranks; must match load_model(..., tensor_parallel=N) (1: as loaded)
 
 
 @dataclass
@@ -98,8 +99,21 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.fingerprint += ":cuda"
             kv_dtype = torch.float32 if loaded.mode == "fp32" else torch.bfloat16
-        self.runner = ModelRunner(loaded.model, self.pool, kv_dtype, self.device, self.max_model_len,
-                                  cfg.cuda_graphs)
+        world = getattr(loaded, "tensor_parallel", 1)
+        if cfg.tensor_parallel not in (1, world):
+            raise ValueError(f"EngineConfig.tensor_parallel={cfg.tensor_parallel}, but the model was loaded for "
+                             f"{world} rank(s); load it with load_model(..., tensor_parallel={cfg.tensor_parallel})")
+        if world > 1:
+            if cfg.kv_dir:
+                raise ValueError("the disk KV tier (--kv-dir) does not work with tensor parallelism yet: "
+                                 "each rank holds only its heads' slice of the KV cache")
+            from lodestar.distributed.runner import TPModelRunner
+            self.fingerprint += f":tp{world}"
+            self.runner = TPModelRunner(loaded.group, loaded.model, self.pool, kv_dtype, self.device,
+                                        self.max_model_len, cfg.cuda_graphs)
+        else:
+            self.runner = ModelRunner(loaded.model, self.pool, kv_dtype, self.device, self.max_model_len,
+                                      cfg.cuda_graphs)
         self.disk = None
         if cfg.kv_dir:
             from lodestar.engine.disk_cache import DiskKVCache, KVLayout

@@ -1,7 +1,10 @@
 """Load a model file into a ready-to-run (model, tokenizer) pair."""
 from __future__ import annotations
 
+import gc
+import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from lodestar.models import WEIGHT_MODES, build_model
 from lodestar.tokenizer import Tokenizer
 
 DEVICES = ("cpu", "cuda", "auto")
+TENSOR_PARALLEL_ENV = "LODESTAR_TENSOR_PARALLEL"   # default of load_model's tensor_parallel
 
 
 class DeviceError(ValueError):
@@ -32,6 +36,13 @@ class LoadedModel:
     mode: str
     load_seconds: float
     device: str = "cpu"
+    tensor_parallel: int = 1    # ranks; above 1, ``model`` is rank 0's slice
+    group: object | None = None # lodestar.distributed.TensorParallelGroup: the other ranks
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        if self.group is not None:
+            self.group.shutdown()
 
 
 def resolve_device(device: str | None) -> str:
@@ -46,30 +57,76 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def open_checkpoint(spec: str | Path | None) -> tuple[Path, object]:
+    """(path, tensor source) of a GGUF path, Hugging Face folder, known name or None (the default)."""
+    folder = Path(str(spec)).expanduser() if spec is not None else None
+    if folder is not None and folder.is_dir():
+        from lodestar.formats.safetensors import HFCheckpoint
+        return folder, HFCheckpoint(folder)
+    path = resolve_model_path(spec)
+    return path, GGUFFile(path)
+
+
+def resolve_tensor_parallel(tensor_parallel: int | None) -> int:
+    """``None`` -> $LODESTAR_TENSOR_PARALLEL, else 1."""
+    if tensor_parallel is None:
+        raw = os.environ.get(TENSOR_PARALLEL_ENV, "1")
+        try:
+            tensor_parallel = int(raw)
+        except ValueError:
+            raise ValueError(f"{TENSOR_PARALLEL_ENV}={raw!r}: expected a whole number of ranks") from None
+    if tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel {tensor_parallel}: needs at least 1 rank")
+    return tensor_parallel
+
+
 def load_model(spec: str | Path | None = None, mode: str = "packed", progress: bool = True,
-               device: str = "cpu") -> LoadedModel:
+               device: str = "cpu", tensor_parallel: int | None = None,
+               tp_timeout_s: float | None = None) -> LoadedModel:
     """Open ``spec`` (GGUF path, Hugging Face folder, known name or None for the default) and
     build model + tokenizer on ``device`` (cpu, cuda or auto).
 
     ``mode``: ``packed`` keeps quantized blocks packed; ``fp32``/``bf16`` dequantize at load.
+    ``tensor_parallel``: ranks to split the model over (default $LODESTAR_TENSOR_PARALLEL or 1).
+    Above 1, ranks 1..N-1 start as worker processes (one GPU each on CUDA, gloo on the CPU),
+    each building only its slice, and ``model`` is rank 0's slice; ``tp_timeout_s`` bounds
+    how long a collective waits for another rank.
     """
     if mode not in WEIGHT_MODES:
         raise ValueError(f"--dtype {mode!r}: choose one of {', '.join(WEIGHT_MODES)}")
     device = resolve_device(device)
+    world = resolve_tensor_parallel(tensor_parallel)
     t0 = time.perf_counter()
-    folder = Path(str(spec)).expanduser() if spec is not None else None
-    if folder is not None and folder.is_dir():
-        from lodestar.formats.safetensors import HFCheckpoint
-        source = HFCheckpoint(folder)
-        path, tokenizer = folder, source.tokenizer()
-    else:
-        path = resolve_model_path(spec)
-        source = GGUFFile(path)
-        tokenizer = Tokenizer.from_metadata(source.metadata)
-    total = sum(t.n_bytes for t in source.tensors.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", leave=False,
-              disable=not progress) as bar:
-        model = build_model(source.config, source, mode, on_tensor=lambda t: bar.update(t.n_bytes), device=device)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    return LoadedModel(path, source, source.config, model, tokenizer, mode, time.perf_counter() - t0, device)
+    path, source = open_checkpoint(spec)
+    tokenizer = Tokenizer.from_metadata(source.metadata) if isinstance(source, GGUFFile) else source.tokenizer()
+    group = None
+    if world > 1:
+        from lodestar.distributed import DEFAULT_TIMEOUT_S, ShardedWeightLoader, ShardSpec, TensorParallelGroup
+        from lodestar.distributed.sharding import check_split
+        check_split(source.config.n_heads, source.config.n_kv_heads, world)   # before starting anything
+        if device.startswith("cuda") and torch.cuda.device_count() < world:
+            raise DeviceError(f"--tensor-parallel {world} needs {world} CUDA devices; "
+                              f"{torch.cuda.device_count()} are visible")
+        gc.collect()   # a dropped tensor-parallel model may still hold the process group through a cycle
+        group = TensorParallelGroup(str(path), mode, device, world,
+                                    DEFAULT_TIMEOUT_S if tp_timeout_s is None else tp_timeout_s)
+    try:
+        total = sum(t.n_bytes for t in source.tensors.values()) // world
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}", leave=False,
+                  disable=not progress) as bar:
+            on_tensor = lambda t: bar.update(t.n_bytes // world)  # noqa: E731
+            loader = ShardedWeightLoader(source, ShardSpec(0, world), mode, on_tensor, device) if world > 1 else None
+            model = build_model(source.config, source, mode, on_tensor=on_tensor, device=device, loader=loader)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        if group is not None:
+            group.connect()
+    except BaseException:
+        if group is not None:
+            group.shutdown()
+        raise
+    loaded = LoadedModel(path, source, source.config, model, tokenizer, mode, time.perf_counter() - t0, device,
+                         world, group)
+    if group is not None:   # a dropped model stops its workers
+        weakref.finalize(loaded, group.shutdown)
+    return loaded

@@ -24,14 +24,18 @@ class UnsupportedArchitectureError(ValueError):
 
 
 def build_model(config: ModelConfig, source, mode: str = "packed", on_tensor=None,
-                device: str | torch.device = "cpu") -> nn.Module:
-    """Instantiate the family's module with weights from ``source`` in ``mode`` on ``device``."""
+                device: str | torch.device = "cpu", loader: WeightLoader | None = None) -> nn.Module:
+    """Instantiate the family's module with weights from ``source`` in ``mode`` on ``device``.
+
+    ``loader`` replaces the default ``WeightLoader(source, mode, on_tensor, device)``, e.g. a
+    ``ShardedWeightLoader`` that builds one tensor-parallel rank's slice.
+    """
     cls = ARCHITECTURES.get(config.arch)
     if cls is None:
         raise UnsupportedArchitectureError(
             f"architecture {config.arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
     device = torch.device(device)
-    model = cls(config, WeightLoader(source, mode, on_tensor, device))
+    model = cls(config, loader or WeightLoader(source, mode, on_tensor, device))
     model = model.eval().requires_grad_(False)
     if device.type != "cpu":
         _finish_on_device(model, mode, device)

@@ -16,7 +16,7 @@ from lodestar.layers.activation import gelu_tanh_mul
 from lodestar.layers.attention import AttentionBatch
 from lodestar.layers.norm import OffsetRMSNorm
 from lodestar.layers.rotary import RotaryEmbedding
-from lodestar.models.llama import LlamaArgs, LlamaAttention
+from lodestar.models.llama import LlamaArgs, LlamaAttention, mlp_projections
 from lodestar.models.weights import WeightLoader, split_fused
 
 
@@ -46,11 +46,7 @@ class Gemma3Args:
 class Gemma3MLP(nn.Module):
     def __init__(self, a: LlamaArgs, w: WeightLoader, i: int) -> None:
         super().__init__()
-        p = f"blk.{i}."
-        gu = w.linears([p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.gate_up = nn.ModuleList(gu) if isinstance(gu, list) else gu
-        self.down = w.linear(p + "ffn_down.weight")
-        self.ffn_dim = a.ffn_dim
+        self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))

@@ -56,10 +56,17 @@ class LlamaAttention(nn.Module):
                  scale: float | None = None) -> None:
         super().__init__()
         p = f"blk.{i}."
-        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.sizes = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim)
-        orders = [unpermute_rows(self.sizes[0], a.n_heads), unpermute_rows(self.sizes[1], a.n_kv_heads),
+        hd = a.head_dim
+        split = w.attention_split(a.n_heads, a.n_kv_heads)   # every head unless tensor-parallel
+        self.n_heads, self.n_kv_heads, self.head_dim = split.n_heads, split.n_kv_heads, hd
+        self.sizes = (split.n_heads * hd, split.n_kv_heads * hd, split.n_kv_heads * hd)
+        full = (a.n_heads * hd, a.n_kv_heads * hd, a.n_kv_heads * hd)
+        orders = [unpermute_rows(full[0], a.n_heads), unpermute_rows(full[1], a.n_kv_heads),
                   None] if a.permute_qk else None
+        if self.sizes != full:   # this rank's rows of q, k, v (permutations stay within a head)
+            ranges = [(split.q0 * hd, split.q1 * hd)] + [(split.kv0 * hd, split.kv1 * hd)] * 2
+            orders = [(o if o is not None else torch.arange(n))[r0:r1]
+                      for o, n, (r0, r1) in zip(orders or [None] * 3, full, ranges)]
         names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         qkv = w.linears(names, orders)
         self.qkv = nn.ModuleList(qkv) if isinstance(qkv, list) else qkv
@@ -67,14 +74,14 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = None
         if w.has(bias[0]):
             bs = [w.vector(n) for n in bias]
-            if a.permute_qk:
+            if orders is not None:
                 bs = [b[o] if o is not None else b for b, o in zip(bs, orders)]
             self.qkv_bias = nn.Parameter(torch.cat(bs), requires_grad=False)
         self.q_norm = self.k_norm = None
         if w.has(p + "attn_q_norm.weight"):
             self.q_norm = norm_cls(w.vector(p + "attn_q_norm.weight"), a.rms_eps)
             self.k_norm = norm_cls(w.vector(p + "attn_k_norm.weight"), a.rms_eps)
-        self.o = w.linear(p + "attn_output.weight")
+        self.o = w.row_parallel_linear(p + "attn_output.weight", (split.q0 * hd, split.q1 * hd))
         self.rope = rope
         self.scale = a.head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
@@ -97,14 +104,20 @@ class LlamaAttention(nn.Module):
         return self.o(o.reshape(T, -1))
 
 
+def mlp_projections(a: LlamaArgs, w: WeightLoader, i: int) -> tuple[nn.Module, nn.Module, int]:
+    """(gate|up, down, hidden units) of block ``i``'s MLP, this rank's units only."""
+    p = f"blk.{i}."
+    f0, f1 = w.ffn_split(a.ffn_dim, p + "ffn_down.weight")
+    rows = None if (f0, f1) == (0, a.ffn_dim) else torch.arange(f0, f1)
+    gu = w.linears([p + "ffn_gate.weight", p + "ffn_up.weight"], None if rows is None else [rows, rows])
+    gate_up = nn.ModuleList(gu) if isinstance(gu, list) else gu
+    return gate_up, w.row_parallel_linear(p + "ffn_down.weight", (f0, f1)), f1 - f0
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, a: LlamaArgs, w: WeightLoader, i: int) -> None:
         super().__init__()
-        p = f"blk.{i}."
-        gu = w.linears([p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.gate_up = nn.ModuleList(gu) if isinstance(gu, list) else gu
-        self.down = w.linear(p + "ffn_down.weight")
-        self.ffn_dim = a.ffn_dim
+        self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))

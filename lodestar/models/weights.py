@@ -1,6 +1,7 @@
 """Turn checkpoint tensors into modules: packed quantized, or dequantized at load."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -17,6 +18,24 @@ class TensorSource(Protocol):
     tensors: dict
 
 
+@dataclass(frozen=True)
+class HeadSplit:
+    """The query heads [q0, q1) and KV heads [kv0, kv1) one process computes."""
+
+    q0: int
+    q1: int
+    kv0: int
+    kv1: int
+
+    @property
+    def n_heads(self) -> int:
+        return self.q1 - self.q0
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv1 - self.kv0
+
+
 class WeightLoader:
     """Builds layers from a checkpoint's tensors in one weight mode.
 
@@ -27,7 +46,13 @@ class WeightLoader:
 
     On a CUDA ``device`` the layers come from ``lodestar.layers.cuda_linear`` (Triton
     kernels over repacked blocks, or dense bf16/fp32), always fused.
+
+    The tensor-parallel hooks (``attention_split``, ``ffn_split``, ``row_parallel_linear``)
+    describe the whole model here; ``lodestar.distributed.ShardedWeightLoader`` overrides
+    them to build one rank's slice.
     """
+
+    world = 1   # processes the model is split across
 
     def __init__(self, source: TensorSource, mode: str = "packed",
                  on_tensor: Callable[[object], None] | None = None,
@@ -60,8 +85,7 @@ class WeightLoader:
     def linear(self, name: str, row_order: torch.Tensor | None = None) -> nn.Module:
         t = self.tensor(name)
         data = t.data if row_order is None else t.data[row_order]
-        out_features, in_features = t.shape
-        return self._make_linear(t.qtype, data, in_features, out_features)
+        return self._make_linear(t.qtype, data, t.shape[1], data.shape[0])
 
     def _make_linear(self, qtype, data: torch.Tensor, in_features: int, out_features: int) -> nn.Module:
         if self.cuda:
@@ -79,7 +103,7 @@ class WeightLoader:
             return [self.linear(n, r) for n, r in zip(names, row_orders)]
         parts = [t.data if r is None else t.data[r] for t, r in zip(ts, row_orders)]
         data = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=0)
-        out_features = sum(t.shape[0] for t in ts)
+        out_features = data.shape[0]
         return self._make_linear(ts[0].qtype, data, ts[0].shape[1], out_features)
 
     def embedding(self, name: str) -> nn.Module:
@@ -95,6 +119,19 @@ class WeightLoader:
         if self.has(name):
             return self.linear(name)
         return tied_embedding.as_linear()
+
+    # -- tensor parallelism: one process holds every head, row and column --------------
+    def attention_split(self, n_heads: int, n_kv_heads: int) -> HeadSplit:
+        """The attention heads this process computes."""
+        return HeadSplit(0, n_heads, 0, n_kv_heads)
+
+    def ffn_split(self, ffn_dim: int, down_name: str) -> tuple[int, int]:
+        """The MLP hidden units [f0, f1) this process computes."""
+        return 0, ffn_dim
+
+    def row_parallel_linear(self, name: str, cols: tuple[int, int]) -> nn.Module:
+        """A projection whose input is split across processes (attention output, MLP down)."""
+        return self.linear(name)
 
 
 def split_fused(module: nn.Module | list[nn.Module], x: torch.Tensor, sizes: Sequence[int]

@@ -1,0 +1,47 @@
+"""Rank 0's model runner: each step goes to the workers first, then runs on rank 0's shard."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lodestar.distributed.group import TensorParallelGroup, WorkerDiedError
+from lodestar.engine.kv_cache import BlockPool
+from lodestar.engine.model_runner import GRAPH_BATCH_SIZES, ModelRunner
+from lodestar.engine.sequence import Sequence
+
+
+class TPModelRunner(ModelRunner):
+    """A ``ModelRunner`` whose every step is mirrored by the group's workers.
+
+    The scheduler, block pool and sampler stay in rank 0; per step the workers get the
+    rows' new tokens, start positions and block tables, and which rows want logits.
+    """
+
+    def __init__(self, group: TensorParallelGroup, model: nn.Module, pool: BlockPool,
+                 kv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 max_model_len: int | None = None, cuda_graphs: bool = True) -> None:
+        self.group = group
+        group.send(("kv", pool.num_blocks, pool.block_size, kv_dtype, max_model_len, cuda_graphs))
+        super().__init__(model, pool, kv_dtype, device, max_model_len, cuda_graphs)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None = None
+            ) -> torch.Tensor | None:
+        for s, n in zip(seqs, num_new):   # the workers get the finished block tables
+            self.ensure_blocks(s, s.num_computed + n)
+        rows = [(s.num_computed, s.token_slice(s.num_computed, s.num_computed + n), list(s.block_table))
+                for s, n in zip(seqs, num_new)]
+        self.group.send(("step", rows, list(num_new), None if want_logits is None else list(want_logits)))
+        try:
+            return super().run(seqs, num_new, want_logits)
+        except WorkerDiedError:
+            raise
+        except RuntimeError as e:   # a collective failed (a peer closed its socket, or the timeout)
+            raise self.group.fail(e) from e
+
+    def capture(self, sizes: tuple[int, ...] = GRAPH_BATCH_SIZES) -> None:
+        self.group.send(("capture", tuple(sizes)))
+        try:
+            super().capture(sizes)
+        except RuntimeError as e:
+            raise self.group.fail(e) from e
