@@ -36,8 +36,8 @@ json.dump(doc, open(p + ".tmp", "w"), indent=1)
 os.replace(p + ".tmp", p)' "$JSON" "$*" >> "$LOG" 2>&1 || true
 }
 
-# stage NAME CAP_SECONDS COMMAND...: runs COMMAND for at most min(CAP, time left - 15 s)
-stage() {
+# _stage NAME CAP_SECONDS COMMAND...: runs COMMAND for at most min(CAP, time left - 15 s)
+_stage() {
   local name=$1 cap=$2; shift 2
   local l; l=$(left)
   local t=$(( cap < l - 15 ? cap : l - 15 ))
@@ -49,7 +49,7 @@ stage() {
   else say "$name: exit $rc"; note "$name: exit $rc after $(( $(date +%s) - START ))s total"; fi
 }
 
-bench() { local name=$1 cap=$2; shift 2; stage "$name" "$cap" $PY -m lodestar.bench.gpu "$name" --json "$JSON" \
+bench() { local name=$1 cap=$2; shift 2; want "$name" || return 0; _stage "$name" "$cap" $PY -m lodestar.bench.gpu "$name" --json "$JSON" \
   --seconds "$(( cap < $(left) - 15 ? cap : $(left) - 15 ))" "$@"; }
 
 # -- install: only what is missing, only from carried wheels -------------------------------
@@ -80,10 +80,18 @@ fi
 $PY -c "import lodestar.engine.llm_engine" >> "$LOG" 2>&1 || say "lodestar does not import (see log)"
 
 # -- stages, most important first -----------------------------------------------------------
+# ONLY="tests gemv profile" runs just those stages (names as below).
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+stage() {
+  want "$1" || return 0
+  _stage "$@"
+}
 stage tests 130 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
   tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
 bench env 25
+bench gemv 100
+bench profile 60
 bench small 70
 bench 8b-f16 110
 bench 8b-q4k 45

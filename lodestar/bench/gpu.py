@@ -19,6 +19,10 @@ Stages:
           with zeros rather than prefilled, which changes no byte read per token
   hf      Hugging Face transformers (eager generate, sdpa attention) against lodestar on
           the same synthetic safetensors folders (SmolLM2, Llama-3.2-1B)
+  gemv    quantized matrix-vector kernel on 8B shapes: every type at its default tiling
+          (M = 1, 8, 32), then a tiling sweep for Q4_0 / Q4_K at M = 1
+  profile wall time per decode step vs GPU time of its graph replay (host gap) and the
+          per-kernel times of eager decode steps (SmolLM2 F16, 8B Q4_K and Q4_0)
 
 Roofline: decode tok/s <= copy bandwidth / (weight bytes + KV bytes read per token).
 """
@@ -527,10 +531,162 @@ def stage_hf(r: Results, workdir: Path) -> None:
         r.cell(f"{geometry}-bf16-safetensors", cell, need)
 
 
+
+# ------------------------------------------------------------------ kernel tuning
+
+GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "head": (49152, 4096)}
+
+
+def _time_gpu(fn, reps: int = 50) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls replayed from one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def stage_gemv(r: Results) -> None:
+    """Matrix-vector kernel speed on Llama-3.1-8B shapes: default tiling per type, then a
+    sweep of tilings for Q4_0 / Q4_K at M = 1 (GB/s of weight bytes, fraction of copy bandwidth)."""
+    from lodestar.formats.synthetic import random_weight
+    from lodestar.kernels import triton_quant as tq
+    bw = bandwidth_from(r)
+    T = tq.T
+    weights = {}
+
+    def weight(qtype, name):
+        key = (qtype, name)
+        if key not in weights:
+            n, k = GEMV_SHAPES[name]
+            gen = torch.Generator(device="cuda").manual_seed(SEED)
+            weights[key] = tq.pack(qtype, random_weight(qtype.name, n, k, gen, "cuda"), n, k)
+        return weights[key]
+
+    def measure(qtype, name, m, cfg=None):
+        pw = weight(qtype, name)
+        x = torch.randn(m, pw.k, device="cuda", dtype=torch.bfloat16)
+        t = _time_gpu(lambda: tq.quant_matmul(x, pw, config=cfg))
+        out = {"us": round(t * 1e6, 2), "gb_per_s": round(pw.nbytes / t / 1e9, 1)}
+        if bw:
+            out["fraction_of_copy_bw"] = round(pw.nbytes / t / bw, 3)
+        return out
+
+    def defaults():
+        res = {}
+        for qtype in (T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1, T.Q5_K):
+            for name in GEMV_SHAPES:
+                for m in (1, 8, 32):
+                    res[f"{qtype.name}/{name}/m{m}"] = measure(qtype, name, m)
+                    res[f"{qtype.name}/{name}/m{m}"]["config"] = dataclasses.asdict(
+                        tq.gemv_config(*GEMV_SHAPES[name], torch.device("cuda")))
+            weights.clear()
+        return res
+
+    r.cell("defaults", defaults, 30)
+    for qtype in (T.Q4_0, T.Q4_K):
+        def sweep(qtype=qtype):
+            res, best = {}, {}
+            for name in ("qkv", "o", "gate_up", "down"):
+                for bn in (8, 16, 32):
+                    for tg in (8, 16, 32):
+                        for split in (1, 2, 4, 8):
+                            for warps in ((4, 8) if tg == 32 else (4,)):
+                                if r.left() < 20:
+                                    return {"partial": True, "results": res, "best": best}
+                                cfg = tq.GemvConfig(bn, tg, split, warps)
+                                key = f"{name}/{bn},{tg},{split},{warps}"
+                                try:
+                                    res[key] = measure(qtype, name, 1, cfg)
+                                except Exception as e:   # e.g. out of registers
+                                    res[key] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                                    continue
+                                if name not in best or res[key]["us"] < best[name]["us"]:
+                                    best[name] = {"config": [bn, tg, split, warps], **res[key]}
+            weights.clear()
+            return {"results": res, "best": best}
+        r.cell(f"sweep_{qtype.name}", sweep, 30)
+
+
+def stage_profile(r: Results) -> None:
+    """Where a decode step's time goes: wall time per engine step vs the GPU time of the
+    graph replay (host gap), and per-kernel CUDA time of eager steps (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    from lodestar.engine.sampling import SamplingParams
+    for geometry, qtype in (("smollm2-135m", "F16"), ("llama-3.1-8b", "Q4_K"), ("llama-3.1-8b", "Q4_0")):
+        def cell(geometry=geometry, qtype=qtype):
+            engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, max_seqs=1, kv_tokens=1024)
+            runner = engine.runner
+            vocab = engine.loaded.config.vocab_size
+            params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            rid = engine.add_request(prompts(1, 128, vocab)[0], params)
+            for _ in range(20):                      # prefill, then decode: graph for batch 1 captured
+                engine.step()
+            torch.cuda.synchronize()
+            steps = 100
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / steps
+            g = runner.graphs[1]["graph"]
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(steps):
+                g.replay()
+            e.record()
+            e.synchronize()
+            gpu = s.elapsed_time(e) / 1e3 / steps
+            # eager steps under the profiler: kernel names and times
+            runner.cuda_graphs = False
+            for _ in range(3):
+                engine.step()
+            torch.cuda.synchronize()
+            n_prof = 10
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(n_prof):
+                    engine.step()
+                torch.cuda.synchronize()
+            runner.cuda_graphs = True
+            kernels = {}
+            for ev in prof.key_averages():
+                dev_t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+                if dev_t and ev.key and not ev.key.startswith(("aten::", "cuda", "Memcpy", "Memset")):
+                    kernels[ev.key[:90]] = (dev_t / n_prof, ev.count // n_prof)
+            top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:20]
+            total_kernel_us = sum(v[0] for v in kernels.values())
+            engine.abort(rid)
+            out = {"wall_ms_per_step": round(wall * 1e3, 3), "graph_replay_gpu_ms": round(gpu * 1e3, 3),
+                   "host_gap_ms": round((wall - gpu) * 1e3, 3), "decode_tok_s_wall": round(1 / wall, 1),
+                   "eager_kernel_ms_per_step": round(total_kernel_us / 1e3, 3),
+                   "eager_kernels_per_step": sum(v[1] for v in kernels.values()),
+                   "top_kernels_us_per_step": {k: {"us": round(v[0], 1), "calls": v[1]} for k, v in top}}
+            del engine, runner
+            release()
+            return out
+        r.cell(f"{geometry}-{qtype}", cell, 25)
+
+
 # ------------------------------------------------------------------------------- main
 
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
-          "8b-q4_0": stage_8b_q4_0}
+          "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,7 +123,8 @@ def run(aeng, url: str, model: str, levels: list[int], prompt_len: int, gen: int
             r = results[n]
             direct = run_levels(aeng, tok, [n], prompt_len, gen, 1)[n]
             for k, stat in direct.items():
-                r["direct"][k].add(stat.values[0])
+                if k in r["direct"]:
+                    r["direct"][k].add(stat.values[0])
             tok_s, ttfts = asyncio.run(_http_level(url, model, [base[i:i + prompt_len] for i in range(n)], gen))
             r["http"]["tok_s"].add(tok_s)
             r["http"]["ttft_p50_ms"].add(1000 * statistics.median(ttfts))

@@ -25,14 +25,19 @@ Q6_K   uint8 [N, K/2] (low 4      d fp16 [N, K/256]; sc int8 [N, K/16];       0.
 Kernels (reference in brackets, same module):
 
 ``quant_matmul`` (M <= ``SMALL_M_MAX``) [``quant_matmul_ref``]
-    ``y = x @ W.T`` reading the packed weight once per M tile. Per 32-weight group it
-    multiplies bf16 activations by the *integer* codes on the tensor cores (exact in
-    bf16), then scales the fp32 partial sums by the group's scale (and adds
-    ``sum(x) * offset`` for Q4_1/Q4_K/Q5_K). Weights are therefore never rounded: the
-    only rounding is x to bf16 and fp32 summation order. Block shapes and the split of
-    K depend on (N, K) only, never on M, so a row's result does not depend on which other
-    rows share the batch (batched decode and CUDA-graph replay give the same tokens as
-    single-stream decode).
+    ``y = x @ W.T`` as matrix-vector products on the CUDA cores, one program per (row of
+    x, block of ``block_n`` weight rows, K split). A program streams its weight rows in
+    tiles of ``tile_groups`` 32-weight groups (16 contiguous bytes per group and row for
+    the 4-bit types, so every load is a full 16-byte vector), turns codes into floats
+    with the 2**23 bit trick (no conversion instructions), forms each weight in fp32 as
+    ``q * scale + offset`` (the group's scale and offset, formed as the reference forms
+    them) and accumulates ``x * w`` elementwise; one reduction at the end. K splits write
+    fp32 partials that a second kernel adds in a fixed order. Rounding: x to bf16, the
+    weight's fp32 product (exact for Q4_0/Q4_1/Q8_0 codes times fp16 scales) and fp32
+    summation order, which depends on (N, K) alone. Every row of x goes through the same
+    program whatever M is, so a row's result does not depend on which other rows share the
+    batch (batched decode and CUDA-graph replay give the same tokens as single-stream
+    decode). Rows of x beyond the first re-read the weight tile from L2.
 ``dequantize_packed`` [``dequantize_packed_ref``, bit-identical to ``dequant.dequantize``]
     Writes the whole weight as bf16 (or fp32); the large-M (prefill) path dequantizes
     per call into a temporary and runs one cuBLAS matmul (``matmul``).
@@ -216,31 +221,44 @@ def _num_sms(device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
-class MatmulConfig:
-    block_n: int
-    split_k: int
-    unroll: int
-    groups_per_split: int
+class GemvConfig:
+    block_n: int        # weight rows per program
+    tile_groups: int    # 32-weight groups per loaded tile (a power of two)
+    split_k: int        # programs along K per row block
+    num_warps: int
 
 
-_CONFIGS: dict[tuple, MatmulConfig] = {}
+_CONFIGS: dict[tuple, GemvConfig] = {}
+# K splits are added until there are this many programs per SM (measured on the H200 over
+# Llama-3.1-8B shapes: about 4 programs of 16 rows x 512 weights per SM streamed best).
+PROGRAMS_PER_SM = 4
+# Subtracted from the codes as they become floats: w = (q - bias) * scale.
+_CODE_BIAS = {T.Q4_0: 8.0, T.Q6_K: 32.0}
 
 
-def matmul_config(n: int, k: int, device: torch.device) -> MatmulConfig:
-    """Block shape and K split for an [n, k] weight: a function of (n, k) only, never of M."""
+def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
+    """Tiling for an [n, k] weight: a function of (n, k) and the device only, never of M.
+
+    ``LODESTAR_GEMV=block_n,tile_groups,split_k,num_warps`` overrides it (for tuning).
+    """
     key = (n, k, device.type)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        groups = k // GROUP
-        block_n = 64
-        tiles = -(-n // block_n)
-        target = 2 * _num_sms(device)
-        split = 1
-        while tiles * split < target and groups % (split * 2) == 0 and groups // (split * 2) >= 8:
-            split *= 2
-        gps = groups // split
-        unroll = 4 if gps % 4 == 0 else 2 if gps % 2 == 0 else 1
-        cfg = _CONFIGS[key] = MatmulConfig(block_n, split, unroll, gps)
+        env = os.environ.get("LODESTAR_GEMV")
+        if env:
+            cfg = GemvConfig(*(int(v) for v in env.split(",")))
+        else:
+            groups = k // GROUP
+            tile = 16
+            while tile > 1 and tile > groups:
+                tile //= 2
+            block_n = 16
+            target = PROGRAMS_PER_SM * _num_sms(device)
+            split = 1
+            while -(-n // block_n) * split < target and groups // (split * 2) >= 4 * tile and split < 8:
+                split *= 2
+            cfg = GemvConfig(block_n, tile, split, 4)
+        _CONFIGS[key] = cfg
     return cfg
 
 
@@ -251,26 +269,30 @@ def _ptr_args(pw: PackedWeight) -> list[torch.Tensor]:
             pw.m if pw.m is not None else pw.d]
 
 
-def quant_matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the fused Triton kernel; bf16 in, out_dtype out."""
+def quant_matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None,
+                 config: GemvConfig | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
+
+    ``config`` replaces ``gemv_config(N, K)`` (tests and tuning)."""
     M, K = x.shape
     if K != pw.k:
         raise ValueError(f"x has {K} features, weight expects {pw.k}")
     out_dtype = out_dtype or x.dtype
     x = x.to(torch.bfloat16).contiguous()
-    cfg = matmul_config(pw.n, pw.k, x.device)
-    block_m = 16 if M <= 16 else 32
-    grid = (-(-M // block_m), -(-pw.n // cfg.block_n), cfg.split_k)
-    if cfg.split_k == 1:
-        out = torch.empty(M, pw.n, device=x.device, dtype=out_dtype)
-    else:
-        out = torch.empty(cfg.split_k, M, pw.n, device=x.device, dtype=torch.float32)
-    _qmm_kernel[grid](x, out, *_ptr_args(pw), M, pw.n, x.stride(0), pw.n, M * pw.n,
-                      K=pw.k, QTYPE=int(pw.qtype), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                      GROUPS_PER_SPLIT=cfg.groups_per_split, UNROLL=cfg.unroll, DOT_F32=interpreted(), num_warps=4)
-    if cfg.split_k == 1:
-        return out
-    return out.sum(0).to(out_dtype)
+    cfg = config or gemv_config(pw.n, pw.k, x.device)
+    groups = pw.k // GROUP
+    per_split = -(-groups // cfg.split_k)
+    grid = (M, -(-pw.n // cfg.block_n), cfg.split_k)
+    out = torch.empty(M, pw.n, device=x.device, dtype=out_dtype)
+    part = out if cfg.split_k == 1 else torch.empty(cfg.split_k, M, pw.n, device=x.device, dtype=torch.float32)
+    _gemv_kernel[grid](x, part, *_ptr_args(pw), pw.n, x.stride(0), pw.n, M * pw.n,
+                       K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
+                       GROUPS_PER_SPLIT=per_split, CODE_BIAS=_CODE_BIAS.get(pw.qtype, 0.0),
+                       num_warps=cfg.num_warps)
+    if cfg.split_k > 1:
+        total = M * pw.n
+        _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4)
+    return out
 
 
 def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -356,52 +378,100 @@ if triton_enabled():
         return scale_a, scale_b, offset
 
     @triton.jit
-    def _qmm_kernel(x_ptr, out_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                    M, N, stride_xm, stride_om, stride_split,
-                    K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    GROUPS_PER_SPLIT: tl.constexpr, UNROLL: tl.constexpr, DOT_F32: tl.constexpr):
+    def _as_float(v, bias: tl.constexpr):
+        """Small non-negative int32 ``v`` (< 2**22) -> float32 ``v - bias``, without a
+        conversion instruction: ``v | 0x4B000000`` is the float 2**23 + v."""
+        return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, out_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                     N, stride_xm, stride_om, stride_split,
+                     K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
+                     GROUPS_PER_SPLIT: tl.constexpr, CODE_BIAS: tl.constexpr):
+        """One row of x against BLOCK_N weight rows over one K split.
+
+        Per tile of TG groups: codes -> floats, ``w = q * scale + offset`` (fp32, per
+        group), ``acc += x * w`` elementwise; a single reduction at the end.
+        """
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        G: tl.constexpr = K // 32
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
         mask_n = offs_n < N
         rows = offs_n.to(tl.int64)
         h = tl.arange(0, 16)
-        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + h[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        g0 = pid_s * GROUPS_PER_SPLIT
-        for gi in range(0, GROUPS_PER_SPLIT, UNROLL):
-            for u in tl.static_range(UNROLL):
-                g = g0 + gi + u
-                xa = tl.load(x_rows + g * 32, mask=mask_m[:, None], other=0.0)
-                xb = tl.load(x_rows + g * 32 + 16, mask=mask_m[:, None], other=0.0)
-                qa, qb = _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K, QTYPE)
-                scale_a, scale_b, offset = _group_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, rows, mask_n, g, K, QTYPE)
-                if DOT_F32:  # the interpreter multiplies bf16 as raw integers
-                    wa = qa.to(tl.float32)
-                    wb = qb.to(tl.float32)
-                    da = tl.dot(xa.to(tl.float32), tl.trans(wa))
-                    db = tl.dot(xb.to(tl.float32), tl.trans(wb))
+        tg = tl.arange(0, TG)
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_N, TG, 16), dtype=tl.float32)
+        g_start = pid_s * GROUPS_PER_SPLIT
+        for t in range(0, GROUPS_PER_SPLIT, TG):
+            g = g_start + t + tg                                    # [TG]
+            mask_g = (g < G) & (t + tg < GROUPS_PER_SPLIT)
+            mask2 = mask_n[:, None] & mask_g[None, :]              # [BN, TG]
+            mask3 = mask2[:, :, None]
+            xo = g[:, None] * 32 + h[None, :]                      # [TG, 16]
+            xa = tl.load(x_row + xo, mask=mask_g[:, None], other=0.0).to(tl.float32)[None, :, :]
+            xb = tl.load(x_row + xo + 16, mask=mask_g[:, None], other=0.0).to(tl.float32)[None, :, :]
+            # per-group scale and offset, [BN, TG, 1]: w = q * scale + offset
+            if QTYPE == 14:  # Q6_K: one scale per 16 weights
+                d = tl.load(d_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
+                sa = tl.load(sc_ptr + rows[:, None] * (K // 16) + 2 * g[None, :], mask=mask2, other=0).to(tl.float32)
+                sb = tl.load(sc_ptr + rows[:, None] * (K // 16) + 2 * g[None, :] + 1, mask=mask2, other=0).to(tl.float32)
+                scale_a = (d * sa)[:, :, None]
+                scale_b = (d * sb)[:, :, None]
+                offset = tl.zeros((BLOCK_N, TG, 1), dtype=tl.float32)
+            elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
+                d = tl.load(d_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
+                dmin = tl.load(dmin_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
+                sc = tl.load(sc_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
+                mn = tl.load(m_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
+                scale_a = (d * sc)[:, :, None]
+                scale_b = scale_a
+                offset = -(dmin * mn)[:, :, None]
+            else:  # Q4_0, Q4_1, Q8_0: one scale per 32 weights
+                scale_a = tl.load(d_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)[:, :, None]
+                scale_b = scale_a
+                if QTYPE == 3:  # Q4_1: w = d * q + m
+                    offset = tl.load(m_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)[:, :, None]
                 else:
-                    wa = qa.to(tl.float32).to(tl.bfloat16)
-                    wb = qb.to(tl.float32).to(tl.bfloat16)
-                    da = tl.dot(xa, tl.trans(wa))
-                    db = tl.dot(xb, tl.trans(wb))
-                if QTYPE == 14:
-                    acc += da * scale_a[None, :] + db * scale_b[None, :]
-                else:
-                    acc += (da + db) * scale_a[None, :]
-                if QTYPE == 3 or QTYPE == 12 or QTYPE == 13:
-                    xs = tl.sum(xa.to(tl.float32), axis=1) + tl.sum(xb.to(tl.float32), axis=1)
-                    if QTYPE == 3:
-                        acc += xs[:, None] * offset[None, :]
-                    else:
-                        acc -= xs[:, None] * offset[None, :]
-        out_ptrs = (out_ptr + pid_s * stride_split + offs_m.to(tl.int64)[:, None] * stride_om
-                    + offs_n[None, :])
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+                    offset = tl.zeros((BLOCK_N, TG, 1), dtype=tl.float32)
+            # codes as floats, [BN, TG, 16] for weights 0..15 (a) and 16..31 (b) of each group
+            if QTYPE == 8:  # Q8_0: int8 codes [N, K]; signed, so biased by 2**22 first
+                base = codes_ptr + rows[:, None, None] * K + xo[None, :, :]
+                qa = _as_float(tl.load(base, mask=mask3, other=0).to(tl.int32) + 4194304, 4194304.0)
+                qb = _as_float(tl.load(base + 16, mask=mask3, other=0).to(tl.int32) + 4194304, 4194304.0)
+            else:
+                byte = tl.load(codes_ptr + rows[:, None, None] * (K // 2) + (g[:, None] * 16 + h[None, :])[None, :, :],
+                               mask=mask3, other=0).to(tl.int32)
+                ia = byte & 15
+                ib = byte >> 4
+                if QTYPE == 13:  # Q5_K: bit e of the group's word is the 5th bit of weight e
+                    w = tl.load(high_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0)[:, :, None]
+                    ia = ia | (((w >> h[None, None, :]) & 1) << 4)
+                    ib = ib | (((w >> (h[None, None, :] + 16)) & 1) << 4)
+                if QTYPE == 14:  # Q6_K: two words per group, 2 bits per weight
+                    w0 = tl.load(high_ptr + rows[:, None] * (K // 16) + 2 * g[None, :], mask=mask2, other=0)[:, :, None]
+                    w1 = tl.load(high_ptr + rows[:, None] * (K // 16) + 2 * g[None, :] + 1, mask=mask2, other=0)[:, :, None]
+                    ia = ia | (((w0 >> (2 * h[None, None, :])) & 3) << 4)
+                    ib = ib | (((w1 >> (2 * h[None, None, :])) & 3) << 4)
+                qa = _as_float(ia, CODE_BIAS)                       # Q4_0: q - 8, Q6_K: q - 32
+                qb = _as_float(ib, CODE_BIAS)
+            acc += xa * (qa * scale_a + offset)
+            acc += xb * (qb * scale_b + offset)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)                     # [BN]
+        out_ptrs = out_ptr + pid_s * stride_split + pid_m.to(tl.int64) * stride_om + offs_n
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+    @triton.jit
+    def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        """out = part[0] + part[1] + ... in that order (fp32), cast to out's dtype."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < total
+        acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dequant_kernel(out_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, N,

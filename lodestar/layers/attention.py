@@ -120,6 +120,38 @@ class AttentionBatch:
         self._cache[key] = m
         return m
 
+    def _seq_plans(self, sliding_window: int | None) -> list[dict]:
+        """Per-sequence CPU attention plans (rows of q, context slots, mask), shared by layers.
+
+        ``context`` is a (start, end) slice of the pool when the sequence's blocks are
+        consecutive, else the sequence's block ids (gathered whole, then cut to length).
+        """
+        key = ("seq_plans", sliding_window)
+        if key in self._cache:
+            return self._cache[key]
+        bs, plans = self.block_size, []
+        starts = self.query_start_loc.tolist()
+        for i, (lk, lq) in enumerate(zip(self.seq_lens_list, self.query_lens_list)):
+            nb = -(-lk // bs)
+            table = self.block_tables[i, :nb]
+            if nb == 1 or bool((table[1:] - table[:-1] == 1).all()):
+                start = int(table[0]) * bs
+                context = (start, start + lk)
+            else:
+                context = table.clone()
+            mask = None
+            if lq > 1 or (sliding_window is not None and lk > sliding_window):
+                qp = torch.arange(lk - lq, lk)[:, None]
+                kp = torch.arange(lk)[None, :]
+                mask = kp <= qp
+                if sliding_window is not None:
+                    mask = mask & (qp - kp < sliding_window)
+                mask = mask[None, None]
+            plans.append({"rows": (starts[i], starts[i + 1]), "context": context, "mask": mask, "len": lk,
+                          "block_size": bs})
+        self._cache[key] = plans
+        return plans
+
 
 def _positions(seq_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     total = int(starts[-1])
@@ -145,28 +177,47 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if batch.gpu is not None:
         return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window)
-    p = batch._plan()
-    S, T = batch.num_seqs, q.shape[0]
-    if p["contiguous"] is not None:
-        a, b = p["contiguous"]
-        k = k_cache[a:b].unsqueeze(0).transpose(1, 2)   # [1, Hk, Lk, D], no copy
-        v = v_cache[a:b].unsqueeze(0).transpose(1, 2)
+    plans = batch._seq_plans(sliding_window)
+    q = q.contiguous()
+    if len(plans) == 1:
+        return _attend_one(q, k_cache, v_cache, plans[0], scale)[0].transpose(0, 1)
+    outs = [_attend_one(q, k_cache, v_cache, plan, scale) for plan in plans]
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)              # [T, Hq, Dv]
+
+
+def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: dict,
+                scale: float) -> torch.Tensor:
+    """One sequence's attention: its rows of ``q [T, Hq, D]`` -> ``[1, Hq, Lq, Dv]``.
+
+    Every sequence goes through here with shapes and strides that depend on that sequence
+    alone, so its result is bit-identical whichever other sequences share the step
+    (one SDPA call over several sequences is not: its rows differ in the last bits).
+    Views are made with ``as_strided`` (one op each): this loop runs sequences x layers
+    times per step.
+    """
+    a, b = plan["rows"]
+    hq, d = q.shape[1], q.shape[2]
+    qp = q.as_strided((1, hq, b - a, d), (0, d, hq * d, 1), q.storage_offset() + a * hq * d)
+    ctx = plan["context"]
+    if isinstance(ctx, tuple):
+        lk, (hk, dk), (hk_, dv) = ctx[1] - ctx[0], k_cache.shape[1:], v_cache.shape[1:]
+        k = k_cache.as_strided((1, hk, lk, dk), (0, dk, hk * dk, 1), k_cache.storage_offset() + ctx[0] * hk * dk)
+        v = v_cache.as_strided((1, hk_, lk, dv), (0, dv, hk_ * dv, 1), v_cache.storage_offset() + ctx[0] * hk_ * dv)
     else:
-        k = k_cache[p["context_slots"]].transpose(1, 2)   # [S, Hk, Lk, D]
-        v = v_cache[p["context_slots"]].transpose(1, 2)
-    if S == 1:
-        qp = q.unsqueeze(0).transpose(1, 2)             # [1, Hq, T, D]
-    else:
-        qp = q[p["q_index"]].transpose(1, 2)            # [S, Hq, Lq, D]
+        lk = plan["len"]
+        k = _gather_blocks(k_cache, ctx, plan["block_size"], lk)
+        v = _gather_blocks(v_cache, ctx, plan["block_size"], lk)
     if k.dtype != qp.dtype:
         k, v = k.to(qp.dtype), v.to(qp.dtype)
-    mask = batch.mask(sliding_window)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=qp.shape[1] != k.shape[1])
-    out = out.transpose(1, 2)                           # [S, Lq, Hq, Dv]
-    if S == 1:
-        return out[0]
-    return out.reshape(S * p["max_q"], *out.shape[2:])[p["q_flat"]]
+    return F.scaled_dot_product_attention(qp, k, v, attn_mask=plan["mask"], scale=scale,
+                                          enable_gqa=hq != k.shape[1])
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """The first ``length`` slots of ``blocks`` (whole blocks copied) as ``[1, H, length, D]``."""
+    n, h, d = cache.shape
+    got = cache.view(n // block_size, block_size * h * d).index_select(0, blocks)
+    return got.as_strided((1, h, length, d), (0, d, h * d, 1))
 
 
 def _gpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,

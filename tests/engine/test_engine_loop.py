@@ -1,4 +1,7 @@
-"""Continuous batching, prefix cache and preemption give each request exactly its solo tokens."""
+"""Continuous batching, prefix cache and preemption give each request exactly its solo tokens.
+
+Run on both weight paths: packed (the default) and fp32.
+"""
 import json
 import random
 from pathlib import Path
@@ -15,16 +18,17 @@ CASES = {c["name"]: c for c in json.loads((GOLDENS / "generate_smollm2-135m.json
 NAMES = ["chat_hello", "raw_code", "raw_unicode", "chat_math", "chat_code", "raw_list", "chat_system", "raw_count"]
 
 
-def _engine(**kw):
-    return LLMEngine(load_model("default", mode="fp32", progress=False), EngineConfig(**kw))
+def _engine(mode="fp32", **kw):
+    return LLMEngine(load_model("default", mode=mode, progress=False), EngineConfig(**kw))
 
 
-@pytest.fixture(scope="module")
-def solo(smollm_path):
-    """Reference: each request alone, prefix cache off."""
-    e = _engine(enable_prefix_cache=False)
+@pytest.fixture(scope="module", params=["packed", "fp32"])
+def solo(request, smollm_path):
+    """Reference: each request alone, prefix cache off; (mode, tokens per request)."""
+    e = _engine(request.param, enable_prefix_cache=False)
     params = _params()
-    return e, [e.generate([CASES[n]["prompt_ids"]], params[i])[0].token_ids for i, n in enumerate(NAMES)]
+    return request.param, [e.generate([CASES[n]["prompt_ids"]], params[i])[0].token_ids
+                            for i, n in enumerate(NAMES)]
 
 
 def _params():
@@ -52,8 +56,8 @@ def _staggered(engine, prompts, params, arrive_at):
 
 
 def test_eight_concurrent_staggered_equal_solo(solo):
-    _, want = solo
-    e = _engine(max_num_seqs=8, max_num_batched_tokens=64)   # small budget: chunked prefills
+    mode, want = solo
+    e = _engine(mode, max_num_seqs=8, max_num_batched_tokens=64)   # small budget: chunked prefills
     prompts = [CASES[n]["prompt_ids"] for n in NAMES]
     got = _staggered(e, prompts, _params(), arrive_at=[0, 0, 1, 3, 3, 4, 7, 9])
     assert got == want
@@ -61,8 +65,8 @@ def test_eight_concurrent_staggered_equal_solo(solo):
 
 
 def test_prefix_cache_hits_equal_solo(solo):
-    _, want = solo
-    e = _engine(max_num_seqs=8, max_num_batched_tokens=128)
+    mode, want = solo
+    e = _engine(mode, max_num_seqs=8, max_num_batched_tokens=128)
     prompts = [CASES[n]["prompt_ids"] for n in NAMES]
     first = _staggered(e, prompts, _params(), arrive_at=[0] * 8)
     second = _staggered(e, prompts, _params(), arrive_at=[0, 1, 2, 3, 4, 5, 6, 7])
@@ -83,8 +87,8 @@ def test_long_prompt_second_time_is_cached_and_identical(smollm_path):
 
 
 def test_preemption_keeps_outputs_exact(solo):
-    _, want = solo
-    e = _engine(max_num_seqs=8, max_num_batched_tokens=128, kv_tokens=160)
+    mode, want = solo
+    e = _engine(mode, max_num_seqs=8, max_num_batched_tokens=128, kv_tokens=160)
     prompts = [CASES[n]["prompt_ids"] for n in NAMES]
     got = _staggered(e, prompts, _params(), arrive_at=[0] * 8)
     assert e.stats["preemptions"] > 0

@@ -64,6 +64,23 @@ def test_rows_do_not_depend_on_the_batch(qtype):
         assert torch.equal(tq.quant_matmul(x[:m], pw)[:1], alone), m
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_split_k_and_partial_tiles_match_reference(qtype):
+    """K split in 4 (6 groups each: the second tile of 8 is partly masked), 5 row blocks."""
+    dev = kernel_device()
+    n, k = 75, 768
+    data = random_gguf(qtype, n, k, seed=11)
+    pw = tq.pack(qtype, data.to(dev), n, k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    cfg = tq.GemvConfig(block_n=16, tile_groups=8, split_k=4, num_warps=4)
+    got = tq.quant_matmul(x.to(dev), pw, torch.float32, config=cfg).cpu()
+    want = F.linear(x.float(), dequantize(data, qtype, (n, k)))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    # a row's bits do not depend on the rows beside it
+    alone = tq.quant_matmul(x[1:2].to(dev), pw, torch.float32, config=cfg).cpu()
+    assert torch.equal(got[1:2], alone)
+
+
 def test_large_m_path_dequantizes_then_matmuls():
     dev = kernel_device()
     qtype, n, k, m = tq.T.Q4_0, 64, 512, tq.SMALL_M_MAX + 6
