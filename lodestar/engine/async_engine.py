@@ -163,20 +163,30 @@ class AsyncLLMEngine:
                     pass
                 if not self.engine.has_unfinished():
                     continue
+                # One wake-up per event loop per step, however many streams it serves: every
+                # wake-up is the loop's thread taking the GIL from this one.
+                batches: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in self.engine.step():
                     target = self._streams.get(out.request_id)
                     if target is None:
                         continue
                     loop, q = target
-                    loop.call_soon_threadsafe(q.put_nowait, out)
+                    batches.setdefault(loop, []).append((q, out))
                     if out.finished:
                         self._streams.pop(out.request_id, None)
+                for loop, items in batches.items():
+                    loop.call_soon_threadsafe(_deliver, items)
         except BaseException as e:  # the model failed: fail every stream, loudly
             self.error = e
             for loop, q in self._streams.values():
                 loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine stopped: {e}"))
             self._streams.clear()
             raise
+
+
+def _deliver(items: list) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -64,16 +64,29 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
 # ---------------------------------------------------------------------------- RoPE
 
 def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-          rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place; ``cos``/``sin`` ``[P, rotary_dim]`` fp32."""
+          rotary_dim: int, v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+          v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place; ``cos``/``sin`` ``[P, rotary_dim]`` fp32.
+
+    With ``v``, ``k_cache``, ``v_cache`` (``[slots, Hk, D]``) and ``slots [T]`` the same
+    kernel also stores the rotated k and v at their KV slots (one launch instead of three).
+    """
     T, Hq, D = q.shape
     Hk = k.shape[1]
     if T == 0:
         return q, k
     half = rotary_dim // 2
+    store = k_cache is not None
+    if store:
+        kc, vc, vv, sl = k_cache, v_cache, v, slots
+    else:   # never read: STORE_KV is off
+        kc, vc, vv, sl = k, k, k, positions
+    tail = D - rotary_dim
     _rope_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       cos.stride(0), Hq=Hq, Hk=Hk, HQ_PAD=_pow2(Hq),
-                       HK_PAD=_pow2(Hk), HALF=half, HALF_PAD=_pow2(half),
+                       cos.stride(0), vv, kc, vc, sl, vv.stride(0), vv.stride(1), kc.stride(0), kc.stride(1),
+                       vc.stride(0), vc.stride(1),
+                       Hq=Hq, Hk=Hk, HQ_PAD=_pow2(Hq), HK_PAD=_pow2(Hk), HALF=half, HALF_PAD=_pow2(half),
+                       D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
                        num_warps=4)
     return q, k
 
@@ -158,7 +171,8 @@ if triton_enabled():
 
     @triton.jit
     def _rope_rows(ptr, pos_cos, pos_sin, t, stride_t, stride_h, H: tl.constexpr, H_PAD: tl.constexpr,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, cache_ptr, slot, stride_cs, stride_ch,
+                   STORE: tl.constexpr):
         heads = tl.arange(0, H_PAD)
         cols = tl.arange(0, HALF_PAD)
         mask = (heads[:, None] < H) & (cols[None, :] < HALF)
@@ -169,20 +183,46 @@ if triton_enabled():
         s = tl.load(pos_sin + cols, mask=cols < HALF, other=0.0)[None, :]
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
-        tl.store(base, (f1 * c - f2 * s).to(x1.dtype), mask=mask)
-        tl.store(base + HALF, (f2 * c + f1 * s).to(x1.dtype), mask=mask)
+        y1 = (f1 * c - f2 * s).to(x1.dtype)
+        y2 = (f2 * c + f1 * s).to(x1.dtype)
+        tl.store(base, y1, mask=mask)
+        tl.store(base + HALF, y2, mask=mask)
+        if STORE:
+            cb = cache_ptr + slot * stride_cs + heads[:, None] * stride_ch + cols[None, :]
+            tl.store(cb, y1.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(cb + HALF, y2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _copy_rows(src_ptr, dst_ptr, t, slot, stride_t, stride_h, stride_cs, stride_ch, col0,
+                   H: tl.constexpr, H_PAD: tl.constexpr, N: tl.constexpr, N_PAD: tl.constexpr):
+        """dst[slot, h, col0 + j] = src[t, h, col0 + j] for j < N."""
+        heads = tl.arange(0, H_PAD)
+        cols = col0 + tl.arange(0, N_PAD)
+        mask = (heads[:, None] < H) & (cols[None, :] < col0 + N)
+        x = tl.load(src_ptr + t.to(tl.int64) * stride_t + heads[:, None] * stride_h + cols[None, :], mask=mask)
+        tl.store(dst_ptr + slot * stride_cs + heads[:, None] * stride_ch + cols[None, :],
+                 x.to(dst_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
+                     v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
                      Hq: tl.constexpr, Hk: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-                     HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+                     HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                     TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr):
         t = tl.program_id(0)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         # cos/sin rows are [cos(f), cos(f)]: the first half serves both halves.
         pc = cos_ptr + pos * s_cos
         ps = sin_ptr + pos * s_cos
-        _rope_rows(q_ptr, pc, ps, t, sq0, sq1, Hq, HQ_PAD, HALF, HALF_PAD)
-        _rope_rows(k_ptr, pc, ps, t, sk0, sk1, Hk, HK_PAD, HALF, HALF_PAD)
+        slot = 0
+        if STORE_KV:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+        _rope_rows(q_ptr, pc, ps, t, sq0, sq1, Hq, HQ_PAD, HALF, HALF_PAD, kc_ptr, slot, skc0, skc1, False)
+        _rope_rows(k_ptr, pc, ps, t, sk0, sk1, Hk, HK_PAD, HALF, HALF_PAD, kc_ptr, slot, skc0, skc1, STORE_KV)
+        if STORE_KV:
+            if TAIL > 0:   # partial rotary: the unrotated end of each k head
+                _copy_rows(k_ptr, kc_ptr, t, slot, sk0, sk1, skc0, skc1, 2 * HALF, Hk, HK_PAD, TAIL, TAIL_PAD)
+            _copy_rows(v_ptr, vc_ptr, t, slot, sv0, sv1, svc0, svc1, 0, Hk, HK_PAD, D, D_PAD)
 
     @triton.jit
     def _glu_kernel(g_ptr, u_ptr, out_ptr, sg, su, Fd, ACT: tl.constexpr, BLOCK: tl.constexpr):

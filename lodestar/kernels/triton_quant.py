@@ -25,19 +25,20 @@ Q6_K   uint8 [N, K/2] (low 4      d fp16 [N, K/256]; sc int8 [N, K/16];       0.
 Kernels (reference in brackets, same module):
 
 ``quant_matmul`` (M <= ``SMALL_M_MAX``) [``quant_matmul_ref``]
-    ``y = x @ W.T`` as matrix-vector products on the CUDA cores, one program per (row of
-    x, block of ``block_n`` weight rows, K split). A program streams its weight rows in
-    tiles of ``tile_groups`` 32-weight groups (16 contiguous bytes per group and row for
-    the 4-bit types, so every load is a full 16-byte vector), turns codes into floats
-    with the 2**23 bit trick (no conversion instructions), forms each weight in fp32 as
-    ``q * scale + offset`` (the group's scale and offset, formed as the reference forms
-    them) and accumulates ``x * w`` elementwise; one reduction at the end. K splits write
-    fp32 partials that a second kernel adds in a fixed order. Rounding: x to bf16, the
-    weight's fp32 product (exact for Q4_0/Q4_1/Q8_0 codes times fp16 scales) and fp32
-    summation order, which depends on (N, K) alone. Every row of x goes through the same
-    program whatever M is, so a row's result does not depend on which other rows share the
-    batch (batched decode and CUDA-graph replay give the same tokens as single-stream
-    decode). Rows of x beyond the first re-read the weight tile from L2.
+    ``y = x @ W.T`` as matrix-vector products on integer units. ``quantize_x`` first
+    splits each 32-element group of x into two int8 terms, ``x ~ d1*q1 + d2*q2``
+    (``d2 = d1/254``; the CPU int8 path's scheme, error at most ``amax/64516`` per
+    element, far below bf16's rounding of x itself) packed four per int32 word, and the
+    exact fp32 sum of each 16-element half. Then one program per (row of x, block of
+    ``block_n`` weight rows, K split) streams its rows in tiles of ``tile_groups`` groups:
+    4-bit codes are read as int32 words (8 weights each), unpacked with two masks into
+    four byte lanes (plus the 5th/6th bits for Q5_K/Q6_K), and multiplied with the x terms
+    by ``dp4a`` (4 multiply-adds per instruction, exact int32). Per group the fp32 result
+    is ``scale * (d1*i1 + d2*i2 - bias*sum(x)) + offset*sum(x)``. K splits write fp32
+    partials that a second kernel adds in a fixed order. Tiling depends on (N, K) only
+    and every row of x goes through the same program whatever M is, so a row's result
+    does not depend on which other rows share the batch (batched decode and CUDA-graph
+    replay give the same tokens as single-stream decode).
 ``dequantize_packed`` [``dequantize_packed_ref``, bit-identical to ``dequant.dequantize``]
     Writes the whole weight as bf16 (or fp32); the large-M (prefill) path dequantizes
     per call into a temporary and runs one cuBLAS matmul (``matmul``).
@@ -229,11 +230,11 @@ class GemvConfig:
 
 
 _CONFIGS: dict[tuple, GemvConfig] = {}
-# K splits are added until there are this many programs per SM (measured on the H200 over
-# Llama-3.1-8B shapes: about 4 programs of 16 rows x 512 weights per SM streamed best).
+# K splits are added until there are this many programs per SM. Tiles of 16 rows x 16 groups
+# with 4 warps and this rule are what docs/benchmarks.md measures end to end on the H200;
+# the tiling sweep (``lodestar.bench.gpu gemv``) finds single shapes up to ~15% faster with
+# other tilings, with no tiling best for every type.
 PROGRAMS_PER_SM = 4
-# Subtracted from the codes as they become floats: w = (q - bias) * scale.
-_CODE_BIAS = {T.Q4_0: 8.0, T.Q6_K: 32.0}
 
 
 def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
@@ -253,9 +254,9 @@ def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
             while tile > 1 and tile > groups:
                 tile //= 2
             block_n = 16
-            target = PROGRAMS_PER_SM * _num_sms(device)
             split = 1
-            while -(-n // block_n) * split < target and groups // (split * 2) >= 4 * tile and split < 8:
+            while (-(-n // block_n) * split < PROGRAMS_PER_SM * _num_sms(device)
+                   and groups // (split * 2) >= 4 * tile and split < 8):
                 split *= 2
             cfg = GemvConfig(block_n, tile, split, 4)
         _CONFIGS[key] = cfg
@@ -267,6 +268,25 @@ def _ptr_args(pw: PackedWeight) -> list[torch.Tensor]:
     return [pw.codes, pw.high if pw.high is not None else pw.d, pw.d,
             pw.dmin if pw.dmin is not None else pw.d, pw.sc if pw.sc is not None else pw.d,
             pw.m if pw.m is not None else pw.d]
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 ``x [M, K]`` -> int8 terms packed as int32 words ``[M, K/32, 2, 8]``, ``d1 [M, K/32]``
+    and the exact fp32 sums of each 16-element half ``[M, K/32, 2]``.
+
+    Per 32-element group: ``x ~ d1*q1 + d2*q2`` with ``d1 = amax/127``, ``q1 = round(x/d1)``
+    and the remainder quantized again at ``d2 = d1/254`` (the CPU int8 path's scheme):
+    ``|x - d1*q1 - d2*q2| <= amax/64516``. Word ``w`` of term ``t`` holds elements
+    ``4w..4w+3`` as bytes, for ``dp4a``.
+    """
+    M, K = x.shape
+    G = K // GROUP
+    words = torch.empty(M, G, 2, 8, device=x.device, dtype=torch.int32)
+    d1 = torch.empty(M, G, device=x.device, dtype=torch.float32)
+    sums = torch.empty(M, G, 2, device=x.device, dtype=torch.float32)
+    gb = 16
+    _quant_x_kernel[(M, -(-G // gb))](x, words, d1, sums, x.stride(0), G, GB=gb, num_warps=4)
+    return words, d1, sums
 
 
 def quant_matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None,
@@ -282,13 +302,14 @@ def quant_matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | Non
     cfg = config or gemv_config(pw.n, pw.k, x.device)
     groups = pw.k // GROUP
     per_split = -(-groups // cfg.split_k)
+    words, d1, sums = quantize_x(x)
     grid = (M, -(-pw.n // cfg.block_n), cfg.split_k)
     out = torch.empty(M, pw.n, device=x.device, dtype=out_dtype)
     part = out if cfg.split_k == 1 else torch.empty(cfg.split_k, M, pw.n, device=x.device, dtype=torch.float32)
-    _gemv_kernel[grid](x, part, *_ptr_args(pw), pw.n, x.stride(0), pw.n, M * pw.n,
+    codes = pw.codes.view(torch.int32)
+    _gemv_kernel[grid](words, d1, sums, part, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                        K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
-                       GROUPS_PER_SPLIT=per_split, CODE_BIAS=_CODE_BIAS.get(pw.qtype, 0.0),
-                       num_warps=cfg.num_warps)
+                       GROUPS_PER_SPLIT=per_split, ASM=not interpreted(), num_warps=cfg.num_warps)
     if cfg.split_k > 1:
         total = M * pw.n
         _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4)
@@ -307,11 +328,12 @@ def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> 
     return out
 
 
-def matmul(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """``x @ W.T`` for any number of rows: fused kernel for few rows, dequantize + cuBLAS else."""
+def matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T`` for any number of rows: fused kernel for few rows, dequantize + cuBLAS else.
+    The result is in ``out_dtype`` (default: x's dtype)."""
     if x.shape[0] <= SMALL_M_MAX:
-        return quant_matmul(x, pw)
-    return F.linear(x.to(torch.bfloat16), dequantize_packed(pw, torch.bfloat16)).to(x.dtype)
+        return quant_matmul(x, pw, out_dtype)
+    return F.linear(x.to(torch.bfloat16), dequantize_packed(pw, torch.bfloat16)).to(out_dtype or x.dtype)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -378,20 +400,78 @@ if triton_enabled():
         return scale_a, scale_b, offset
 
     @triton.jit
-    def _as_float(v, bias: tl.constexpr):
-        """Small non-negative int32 ``v`` (< 2**22) -> float32 ``v - bias``, without a
-        conversion instruction: ``v | 0x4B000000`` is the float 2**23 + v."""
-        return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+    def _dp4a(a, b, c, ASM: tl.constexpr):
+        """``c + sum of the four signed byte products of a and b`` (int32 tensors)."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        r = c
+        for j in tl.static_range(4):
+            r += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+        return r
 
     @triton.jit
-    def _gemv_kernel(x_ptr, out_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                     N, stride_xm, stride_om, stride_split,
-                     K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
-                     GROUPS_PER_SPLIT: tl.constexpr, CODE_BIAS: tl.constexpr):
-        """One row of x against BLOCK_N weight rows over one K split.
+    def _quant_x_kernel(x_ptr, words_ptr, d1_ptr, sums_ptr, stride_xm, G, GB: tl.constexpr):
+        """One row of x, GB groups of 32: two int8 terms packed in words, d1, half sums."""
+        pid_m = tl.program_id(0)
+        g = tl.program_id(1) * GB + tl.arange(0, GB)                       # [GB]
+        mask_g = g < G
+        w = tl.arange(0, 8)
+        j = tl.arange(0, 4)
+        offs = g[:, None, None] * 32 + w[None, :, None] * 4 + j[None, None, :]   # [GB, 8, 4]
+        x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs, mask=mask_g[:, None, None], other=0.0
+                    ).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)                  # [GB]
+        d1 = amax / 127.0
+        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+        q1 = tl.floor(x * inv[:, None, None] + 0.5)
+        rest = x - q1 * d1[:, None, None]
+        q2 = tl.minimum(tl.maximum(tl.floor(rest * (inv * 254.0)[:, None, None] + 0.5), -127.0), 127.0)
+        shift = (j * 8)[None, None, :]
+        w1 = tl.sum((q1.to(tl.int32) & 255) << shift, axis=2)             # [GB, 8]: bytes never overlap
+        w2 = tl.sum((q2.to(tl.int32) & 255) << shift, axis=2)
+        row = pid_m.to(tl.int64) * G + g                                   # [GB]
+        wo = row[:, None] * 16 + w[None, :]
+        tl.store(words_ptr + wo, w1, mask=mask_g[:, None])
+        tl.store(words_ptr + wo + 8, w2, mask=mask_g[:, None])
+        tl.store(d1_ptr + row, d1, mask=mask_g)
+        half = tl.sum(x, axis=2)                                           # [GB, 8]
+        h = (w // 4)[None, :]
+        sa = tl.sum(tl.where(h == 0, half, 0.0), axis=1)
+        sb = tl.sum(tl.where(h == 1, half, 0.0), axis=1)
+        tl.store(sums_ptr + row * 2, sa, mask=mask_g)
+        tl.store(sums_ptr + row * 2 + 1, sb, mask=mask_g)
 
-        Per tile of TG groups: codes -> floats, ``w = q * scale + offset`` (fp32, per
-        group), ``acc += x * w`` elementwise; a single reduction at the end.
+    @triton.jit
+    def _spread4(v, SHIFT: tl.constexpr):
+        """Bits 0..3 of v -> bit SHIFT of bytes 0..3."""
+        return ((v & 1) | ((v & 2) << 7) | ((v & 4) << 14) | ((v & 8) << 21)) << SHIFT
+
+    @triton.jit
+    def _spread2x4(v):
+        """Four 2-bit fields of v (bits 0..7) -> bits 4..5 of bytes 0..3."""
+        return ((v & 3) | ((v & 12) << 6) | ((v & 48) << 12) | ((v & 192) << 18)) << 4
+
+    @triton.jit
+    def _code_words(codes_ptr, rows, g, mask2, i4, K: tl.constexpr, QTYPE: tl.constexpr):
+        """Code words of groups ``g`` for ``rows``: ([BN, TG, 4], [BN, TG, 4]); Q8_0: the two
+        halves' int8 words, 4-bit types: the group's 4 words (and a dummy second)."""
+        mask3 = mask2[:, :, None]
+        if QTYPE == 8:
+            base = codes_ptr + rows[:, None, None] * (K // 4) + (g[:, None] * 8 + i4[None, :])[None, :, :]
+            return tl.load(base, mask=mask3, other=0), tl.load(base + 4, mask=mask3, other=0)
+        word = tl.load(codes_ptr + rows[:, None, None] * (K // 8) + (g[:, None] * 4 + i4[None, :])[None, :, :],
+                       mask=mask3, other=0)
+        return word, word
+
+    @triton.jit
+    def _gemv_kernel(xw_ptr, d1_ptr, xsum_ptr, out_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                     N, stride_om, stride_split,
+                     K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
+                     GROUPS_PER_SPLIT: tl.constexpr, ASM: tl.constexpr):
+        """One row of x (quantized by ``_quant_x_kernel``) against BLOCK_N weight rows over one
+        K split: per group, integer dot products of the codes with both x terms (dp4a),
+        then ``scale * (d1*i1 + d2*i2 - bias*sum(x)) + offset * sum(x)`` in fp32.
         """
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -400,66 +480,75 @@ if triton_enabled():
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rows = offs_n.to(tl.int64)
-        h = tl.arange(0, 16)
+        i4 = tl.arange(0, 4)
         tg = tl.arange(0, TG)
-        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-        acc = tl.zeros((BLOCK_N, TG, 16), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, TG), dtype=tl.float32)
+        zero3 = tl.zeros((BLOCK_N, TG, 4), dtype=tl.int32)
         g_start = pid_s * GROUPS_PER_SPLIT
         for t in range(0, GROUPS_PER_SPLIT, TG):
             g = g_start + t + tg                                    # [TG]
             mask_g = (g < G) & (t + tg < GROUPS_PER_SPLIT)
             mask2 = mask_n[:, None] & mask_g[None, :]              # [BN, TG]
-            mask3 = mask2[:, :, None]
-            xo = g[:, None] * 32 + h[None, :]                      # [TG, 16]
-            xa = tl.load(x_row + xo, mask=mask_g[:, None], other=0.0).to(tl.float32)[None, :, :]
-            xb = tl.load(x_row + xo + 16, mask=mask_g[:, None], other=0.0).to(tl.float32)[None, :, :]
-            # per-group scale and offset, [BN, TG, 1]: w = q * scale + offset
-            if QTYPE == 14:  # Q6_K: one scale per 16 weights
+            cur_lo, cur_hi = _code_words(codes_ptr, rows, g, mask2, i4, K, QTYPE)
+            # x: words [TG, 4] per term and half, d1 [TG], half sums [TG]
+            xrow = pid_m.to(tl.int64) * G + g
+            xo = xrow[:, None] * 16 + i4[None, :]
+            x1a = tl.load(xw_ptr + xo, mask=mask_g[:, None], other=0)[None, :, :] + zero3
+            x1b = tl.load(xw_ptr + xo + 4, mask=mask_g[:, None], other=0)[None, :, :] + zero3
+            x2a = tl.load(xw_ptr + xo + 8, mask=mask_g[:, None], other=0)[None, :, :] + zero3
+            x2b = tl.load(xw_ptr + xo + 12, mask=mask_g[:, None], other=0)[None, :, :] + zero3
+            d1 = tl.load(d1_ptr + xrow, mask=mask_g, other=0.0)[None, :]
+            d2 = d1 / 254.0
+            xsa = tl.load(xsum_ptr + xrow * 2, mask=mask_g, other=0.0)[None, :]
+            xsb = tl.load(xsum_ptr + xrow * 2 + 1, mask=mask_g, other=0.0)[None, :]
+            # codes: int32 words [BN, TG, 4], bytes = weights 4i..4i+3 of each half
+            if QTYPE == 8:
+                lo = cur_lo
+                hi = cur_hi
+            else:           # 4-bit codes: low nibbles weights 0..15, high 16..31
+                lo = cur_lo & 0x0F0F0F0F
+                hi = (cur_lo >> 4) & 0x0F0F0F0F
+                if QTYPE == 13:  # Q5_K: bit e of the group's word is the 5th bit of weight e
+                    hb = tl.load(high_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0)[:, :, None]
+                    lo = lo | _spread4(hb >> (4 * i4[None, None, :]), 4)
+                    hi = hi | _spread4(hb >> (16 + 4 * i4[None, None, :]), 4)
+                if QTYPE == 14:  # Q6_K: two words per group, 2 bits per weight
+                    h0 = tl.load(high_ptr + rows[:, None] * (K // 16) + 2 * g[None, :], mask=mask2, other=0)[:, :, None]
+                    h1 = tl.load(high_ptr + rows[:, None] * (K // 16) + 2 * g[None, :] + 1, mask=mask2, other=0)[:, :, None]
+                    lo = lo | _spread2x4(h0 >> (8 * i4[None, None, :]))
+                    hi = hi | _spread2x4(h1 >> (8 * i4[None, None, :]))
+            if QTYPE == 14:  # two scales per group: keep the halves apart
+                ia1 = tl.sum(_dp4a(lo, x1a, zero3, ASM), axis=2)
+                ia2 = tl.sum(_dp4a(lo, x2a, zero3, ASM), axis=2)
+                ib1 = tl.sum(_dp4a(hi, x1b, zero3, ASM), axis=2)
+                ib2 = tl.sum(_dp4a(hi, x2b, zero3, ASM), axis=2)
+                dot_a = d1 * ia1.to(tl.float32) + d2 * ia2.to(tl.float32) - 32.0 * xsa
+                dot_b = d1 * ib1.to(tl.float32) + d2 * ib2.to(tl.float32) - 32.0 * xsb
                 d = tl.load(d_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
                 sa = tl.load(sc_ptr + rows[:, None] * (K // 16) + 2 * g[None, :], mask=mask2, other=0).to(tl.float32)
                 sb = tl.load(sc_ptr + rows[:, None] * (K // 16) + 2 * g[None, :] + 1, mask=mask2, other=0).to(tl.float32)
-                scale_a = (d * sa)[:, :, None]
-                scale_b = (d * sb)[:, :, None]
-                offset = tl.zeros((BLOCK_N, TG, 1), dtype=tl.float32)
-            elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
-                d = tl.load(d_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
-                dmin = tl.load(dmin_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
-                sc = tl.load(sc_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
-                mn = tl.load(m_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
-                scale_a = (d * sc)[:, :, None]
-                scale_b = scale_a
-                offset = -(dmin * mn)[:, :, None]
-            else:  # Q4_0, Q4_1, Q8_0: one scale per 32 weights
-                scale_a = tl.load(d_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)[:, :, None]
-                scale_b = scale_a
-                if QTYPE == 3:  # Q4_1: w = d * q + m
-                    offset = tl.load(m_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)[:, :, None]
-                else:
-                    offset = tl.zeros((BLOCK_N, TG, 1), dtype=tl.float32)
-            # codes as floats, [BN, TG, 16] for weights 0..15 (a) and 16..31 (b) of each group
-            if QTYPE == 8:  # Q8_0: int8 codes [N, K]; signed, so biased by 2**22 first
-                base = codes_ptr + rows[:, None, None] * K + xo[None, :, :]
-                qa = _as_float(tl.load(base, mask=mask3, other=0).to(tl.int32) + 4194304, 4194304.0)
-                qb = _as_float(tl.load(base + 16, mask=mask3, other=0).to(tl.int32) + 4194304, 4194304.0)
+                acc += (d * sa) * dot_a + (d * sb) * dot_b
             else:
-                byte = tl.load(codes_ptr + rows[:, None, None] * (K // 2) + (g[:, None] * 16 + h[None, :])[None, :, :],
-                               mask=mask3, other=0).to(tl.int32)
-                ia = byte & 15
-                ib = byte >> 4
-                if QTYPE == 13:  # Q5_K: bit e of the group's word is the 5th bit of weight e
-                    w = tl.load(high_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0)[:, :, None]
-                    ia = ia | (((w >> h[None, None, :]) & 1) << 4)
-                    ib = ib | (((w >> (h[None, None, :] + 16)) & 1) << 4)
-                if QTYPE == 14:  # Q6_K: two words per group, 2 bits per weight
-                    w0 = tl.load(high_ptr + rows[:, None] * (K // 16) + 2 * g[None, :], mask=mask2, other=0)[:, :, None]
-                    w1 = tl.load(high_ptr + rows[:, None] * (K // 16) + 2 * g[None, :] + 1, mask=mask2, other=0)[:, :, None]
-                    ia = ia | (((w0 >> (2 * h[None, None, :])) & 3) << 4)
-                    ib = ib | (((w1 >> (2 * h[None, None, :])) & 3) << 4)
-                qa = _as_float(ia, CODE_BIAS)                       # Q4_0: q - 8, Q6_K: q - 32
-                qb = _as_float(ib, CODE_BIAS)
-            acc += xa * (qa * scale_a + offset)
-            acc += xb * (qb * scale_b + offset)
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)                     # [BN]
+                i1 = tl.sum(_dp4a(hi, x1b, _dp4a(lo, x1a, zero3, ASM), ASM), axis=2)
+                i2 = tl.sum(_dp4a(hi, x2b, _dp4a(lo, x2a, zero3, ASM), ASM), axis=2)
+                dot = d1 * i1.to(tl.float32) + d2 * i2.to(tl.float32)
+                xs = xsa + xsb
+                if QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
+                    d = tl.load(d_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
+                    dmin = tl.load(dmin_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
+                    sc = tl.load(sc_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
+                    mn = tl.load(m_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
+                    acc += (d * sc) * dot - (dmin * mn) * xs
+                else:  # Q4_0, Q4_1, Q8_0: one scale per 32 weights
+                    scale = tl.load(d_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
+                    if QTYPE == 2:    # Q4_0: w = d * (q - 8)
+                        acc += scale * (dot - 8.0 * xs)
+                    elif QTYPE == 3:  # Q4_1: w = d * q + m
+                        mn = tl.load(m_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
+                        acc += scale * dot + mn * xs
+                    else:
+                        acc += scale * dot
+        y = tl.sum(acc, axis=1)                                     # [BN]
         out_ptrs = out_ptr + pid_s * stride_split + pid_m.to(tl.int64) * stride_om + offs_n
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 

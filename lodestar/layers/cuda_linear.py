@@ -66,6 +66,7 @@ class CudaQuantLinear(nn.Module):
         self.qtype = T(int(qtype))
         self.in_features, self.out_features = in_features, out_features
         self.weight = tq.pack(self.qtype, data.to(device), out_features, in_features)
+        self.out_dtype: torch.dtype | None = None   # None: x's dtype; the head sets float32
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +74,7 @@ class CudaQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = self._tq.matmul(x2, self.weight)
+        y = self._tq.matmul(x2, self.weight, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -65,6 +65,16 @@ class RotaryEmbedding(nn.Module):
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
 
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """CUDA: rotate q and k in place and store k, v at ``slots`` of the caches, one kernel.
+        Returns the rotated q."""
+        from lodestar.kernels.triton_fused import rope_
+        rope_(q, k, positions, self.cos, self.sin, self.rotary_dim, v=v, k_cache=k_cache, v_cache=v_cache,
+              slots=slots)
+        return q
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -44,8 +44,13 @@ def build_model(config: ModelConfig, source, mode: str = "packed", on_tensor=Non
 
 def _finish_on_device(model: nn.Module, mode: str, device: torch.device) -> None:
     """Norm weights, biases and rope tables follow the (already placed) linear layers."""
-    from lodestar.layers.cuda_linear import CudaEmbedding, compute_dtype
+    from lodestar.layers.cuda_linear import CudaEmbedding, CudaQuantLinear, compute_dtype
     model.to(device)
+    head = getattr(model, "head", None)
+    if isinstance(head, CudaQuantLinear):
+        # fp32 logits: rounding them to bf16 (steps of 1/16 to 1/8 at typical magnitudes)
+        # makes near-ties exact ties and lets rounding pick the greedy token
+        head.out_dtype = torch.float32
     dtype = compute_dtype(mode)
     for m in model.modules():
         bias = getattr(m, "qkv_bias", None)

@@ -98,8 +98,11 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        write_kv(self.k_cache, self.v_cache, k, v, batch)
+        if batch.gpu is not None:   # rotation and the KV store in one kernel
+            q = self.rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, batch.gpu.slot_mapping)
+        else:
+            q, k = self.rope(positions, q, k)
+            write_kv(self.k_cache, self.v_cache, k, v, batch)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
         return self.o(o.reshape(T, -1))
 

@@ -60,6 +60,29 @@ def test_rope_in_place_on_fused_qkv_views(dtype, rotary_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary_dim", [64, 48])
+def test_rope_stores_rotated_k_and_v_at_their_slots(dtype, rotary_dim):
+    dev = kernel_device()
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    ang = torch.arange(300).float()[:, None] * inv[None, :]
+    cos, sin = torch.cat((ang, ang), -1).cos().to(dev), torch.cat((ang, ang), -1).sin().to(dev)
+    qkv = torch.randn(5, 9 * 64 + 6 * 64, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev)
+    q, k, v = qkv[:, :576].view(5, 9, 64), qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)
+    pos = torch.tensor([0, 3, 40, 41, 299], device=dev)
+    slots = torch.tensor([7, 0, 33, 12, 63], device=dev)
+    k_cache = torch.zeros(64, 3, 64, dtype=dtype, device=dev)
+    v_cache = torch.zeros(64, 3, 64, dtype=dtype, device=dev)
+    q_ref, k_ref = tf.rope_ref(q.clone(), k.clone(), pos, cos, sin, rotary_dim)
+    tf.rope_(q, k, pos, cos, sin, rotary_dim, v=v, k_cache=k_cache, v_cache=v_cache, slots=slots)
+    torch.testing.assert_close(q.float(), q_ref.float(), **_tol(dtype, dev))
+    assert torch.equal(k_cache[slots], k)          # the rotated k, bit for bit, tail included
+    assert torch.equal(v_cache[slots], v)
+    untouched = torch.ones(64, dtype=torch.bool, device=dev)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gated_activations_on_fused_halves(dtype):
     dev = kernel_device()
     gu = (torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype).to(dev)
