@@ -41,13 +41,18 @@ def test_rms_norm_over_heads_of_a_strided_view():
     torch.testing.assert_close(tf.rms_norm(q, w, 1e-6), tf.rms_norm_ref(q, w, 1e-6), rtol=2e-6, atol=2e-6)
 
 
+def _rope_tables(rotary_dim, dev, positions=300):
+    """cos/sin ``[positions, rotary_dim]`` (each frequency twice, as the model's tables)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    ang = torch.arange(positions).float()[:, None] * inv[None, :]
+    return torch.cat((ang, ang), -1).cos().to(dev), torch.cat((ang, ang), -1).sin().to(dev)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rotary_dim", [64, 48])
 def test_rope_in_place_on_fused_qkv_views(dtype, rotary_dim):
     dev = kernel_device()
-    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-    ang = torch.arange(300).float()[:, None] * inv[None, :]
-    cos, sin = torch.cat((ang, ang), -1).cos().to(dev), torch.cat((ang, ang), -1).sin().to(dev)
+    cos, sin = _rope_tables(rotary_dim, dev)
     qkv = torch.randn(6, 9 * 64 + 6 * 64, generator=torch.Generator().manual_seed(1)).to(dtype).to(dev)
     q, k = qkv[:, :576].view(6, 9, 64), qkv[:, 576:768].view(6, 3, 64)
     v_before = qkv[:, 768:].clone()
@@ -63,9 +68,7 @@ def test_rope_in_place_on_fused_qkv_views(dtype, rotary_dim):
 @pytest.mark.parametrize("rotary_dim", [64, 48])
 def test_rope_stores_rotated_k_and_v_at_their_slots(dtype, rotary_dim):
     dev = kernel_device()
-    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-    ang = torch.arange(300).float()[:, None] * inv[None, :]
-    cos, sin = torch.cat((ang, ang), -1).cos().to(dev), torch.cat((ang, ang), -1).sin().to(dev)
+    cos, sin = _rope_tables(rotary_dim, dev)
     qkv = torch.randn(5, 9 * 64 + 6 * 64, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev)
     q, k, v = qkv[:, :576].view(5, 9, 64), qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)
     pos = torch.tensor([0, 3, 40, 41, 299], device=dev)
