@@ -52,7 +52,7 @@ def main(a: argparse.Namespace) -> int:
     from lodestar.engine.loader import load_model
     if a.threads:
         torch.set_num_threads(a.threads)
-    loaded = load_model(a.model, mode=a.dtype, progress=False)
+    loaded = load_model(a.model, mode=a.dtype, progress=False, device=a.device)
     tok = loaded.tokenizer
     turn1, turn2 = conversation(tok, a.context)
     ids1, ids2 = render(tok, turn1), render(tok, turn2)

@@ -30,10 +30,10 @@ def make_prompt(tokenizer, n: int) -> list[int]:
 class LodestarRunner:
     name = "lodestar"
 
-    def __init__(self, model: str, dtype: str, max_len: int) -> None:
+    def __init__(self, model: str, dtype: str, max_len: int, device: str = "cpu") -> None:
         from lodestar.engine.llm_engine import EngineConfig, LLMEngine
         from lodestar.engine.loader import load_model
-        self._load = lambda: LLMEngine(load_model(model, mode=dtype, progress=False),
+        self._load = lambda: LLMEngine(load_model(model, mode=dtype, progress=False, device=device),
                                        EngineConfig(max_num_batched_tokens=max_len, kv_tokens=max_len + 64,
                                                                     enable_prefix_cache=False))
         self.engine = None
@@ -119,7 +119,7 @@ def main(a: argparse.Namespace) -> int:
     decode_prompt = make_prompt(tok, 16)
     max_len = max(a.prompt_lens + [16 + a.gen_tokens])
 
-    runners = [LodestarRunner(a.model, a.dtype, max_len)]
+    runners = [LodestarRunner(a.model, a.dtype, max_len, a.device)]
     peer_note = None
     if a.peer != "none":
         try:
@@ -137,7 +137,10 @@ def main(a: argparse.Namespace) -> int:
 
     metrics = list(results["lodestar"])
     peer = results.get("llama.cpp")
-    print(f"\nmodel {path.name} ({a.dtype}), {threads} threads, median [min–max] of {a.runs} runs")
+    from lodestar.engine.loader import resolve_device
+    where = resolve_device(a.device)
+    print(f"\nmodel {path.name} ({a.dtype}) on {where} (llama.cpp on the CPU), {threads} threads, "
+          f"median [min–max] of {a.runs} runs")
     print(f"{'metric':<22}{'lodestar':>26}{'llama.cpp':>26}{'ratio':>8}")
     for m in metrics:
         ours = results["lodestar"][m]
@@ -156,7 +159,7 @@ def main(a: argparse.Namespace) -> int:
                "threads": threads, "runs": a.runs, "gen_tokens": a.gen_tokens,
                "prompt_ids_sha": {n: ids_hash(ids) for n, ids in prompts.items()},
                "decode_prompt_ids": decode_prompt, "sampler": "greedy", "commit": git_commit(),
-               "device": device_info(),
+               "device": device_info(), "lodestar_device": where,
                "results": {k: {m: s.as_dict() for m, s in v.items()} for k, v in results.items()}}
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -158,7 +158,7 @@ def main(a: argparse.Namespace) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     levels = sorted(set(a.streams))
-    aeng = make_async_engine(a.model, a.dtype, max(levels))   # the model loads on the engine thread
+    aeng = make_async_engine(a.model, a.dtype, max(levels), a.device)   # the model loads on the engine thread
     try:
         loaded = aeng.engine.loaded
         model = loaded.path.stem

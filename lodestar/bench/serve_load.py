@@ -92,11 +92,11 @@ def run_levels(aeng, tokenizer, levels: list[int], prompt_len: int, gen: int, ru
     return results
 
 
-def make_async_engine(model: str, dtype: str, max_seqs: int):
+def make_async_engine(model: str, dtype: str, max_seqs: int, device: str = "cpu"):
     from lodestar.engine.async_engine import AsyncLLMEngine
     from lodestar.engine.llm_engine import EngineConfig, LLMEngine
     from lodestar.engine.loader import load_model
-    return AsyncLLMEngine(lambda: LLMEngine(load_model(model, mode=dtype, progress=False),
+    return AsyncLLMEngine(lambda: LLMEngine(load_model(model, mode=dtype, progress=False, device=device),
                                             EngineConfig(max_num_seqs=max_seqs, enable_prefix_cache=False)))
 
 
@@ -115,17 +115,19 @@ def print_levels(results: dict, title: str) -> None:
 def main(a: argparse.Namespace) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
-    aeng = make_async_engine(a.model, a.dtype, max(a.streams))
+    aeng = make_async_engine(a.model, a.dtype, max(a.streams), a.device)
     try:
         results = run_levels(aeng, aeng.tokenizer, a.streams, a.prompt_len, a.gen_tokens, a.runs)
     finally:
         aeng.shutdown()
-    print_levels(results, f"\nengine-direct, {aeng.engine.loaded.path.name} ({a.dtype}), prompt {a.prompt_len}, "
+    print_levels(results, f"\nengine-direct, {aeng.engine.loaded.path.name} ({a.dtype}) on {aeng.engine.device}, "
+                          f"prompt {a.prompt_len}, "
                           f"{a.gen_tokens} new tokens, {torch.get_num_threads()} threads, median [min–max] of {a.runs}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({
             "bench": "serve-load", "model": aeng.engine.loaded.path.name, "dtype": a.dtype,
             "prompt_len": a.prompt_len, "gen_tokens": a.gen_tokens, "commit": git_commit(), "device": device_info(),
+            "lodestar_device": str(aeng.engine.device),
             "results": {n: {k: s.as_dict() for k, s in r.items()} for n, r in results.items()}}, indent=1) + "\n")
     return 0
