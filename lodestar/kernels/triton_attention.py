@@ -3,7 +3,10 @@ prefill path, and torch references.
 
 Decode (one new token per sequence), ``decode_attention`` [``decode_attention_ref``]
     Split-KV ("flash decoding") in two kernels. Each sequence's visible context is cut
-    into partitions of ``PARTITION`` keys counted from its first visible key; a program
+    into partitions counted from its first visible key: ``SHORT_PARTITION`` keys when the
+    visible context is at most ``SHORT_CONTEXT`` keys (short contexts: more partitions run
+    side by side, each one step long), ``PARTITION`` keys beyond (long contexts: fewer
+    partials to write and combine); a program
     (sequence, kv head, split) walks the partitions ``split, split + splits, ...`` and
     for each writes an unnormalised partial (running max, sum, weighted values) for all
     query heads of the GQA group at once (the group is padded to 16 rows so the scores
@@ -31,6 +34,8 @@ import torch.nn.functional as F
 from lodestar.kernels.triton_quant import interpreted, triton_enabled
 
 PARTITION = 256     # keys per decode partition
+SHORT_PARTITION = 64    # keys per partition when the visible context is at most SHORT_CONTEXT
+SHORT_CONTEXT = 1024
 BLOCK_N = 64        # keys per inner step
 REDUCE_CHUNK = 16   # partials combined per step of the reduce kernel
 LOG2E = 1.4426950408889634
@@ -43,9 +48,15 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def partition_size(context: int) -> int:
+    """Keys per decode partition for a visible context of ``context`` keys (the kernels' rule)."""
+    return SHORT_PARTITION if context <= SHORT_CONTEXT else PARTITION
+
+
 def num_partitions(max_context: int) -> int:
-    """Partitions needed for contexts up to ``max_context`` keys."""
-    return max(1, -(-max_context // PARTITION))
+    """Partitions needed for any context up to ``max_context`` keys."""
+    short = -(-min(max_context, SHORT_CONTEXT) // SHORT_PARTITION)
+    return max(1, short, -(-max_context // PARTITION))
 
 
 def grid_splits(num_seqs: int, n_kv_heads: int, device: torch.device) -> int:
@@ -82,11 +93,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_m, part_l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), scale * LOG2E, win, max_partitions,
-        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, SPLITS=splits,
+        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=SHORT_PARTITION,
+        SHORT=SHORT_CONTEXT, SPLITS=splits,
         IS_F32=is_f32, DOT_F32=interpreted(), num_warps=4)
     _decode_reduce_kernel[(B, Hq)](
         part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), win, max_partitions, Hq,
-        D=D, PART=PARTITION, CHUNK=REDUCE_CHUNK, num_warps=4)
+        D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT, CHUNK=REDUCE_CHUNK, num_warps=4)
     return out
 
 
@@ -160,18 +172,28 @@ if triton_enabled():
     import triton.language as tl
 
     @triton.jit
+    def _partition(ctx, PART: tl.constexpr, PART_SHORT: tl.constexpr, SHORT: tl.constexpr):
+        """Keys per partition for a visible context of ``ctx`` keys: PART_SHORT up to SHORT keys,
+        PART beyond (integer arithmetic only: exact for contexts below SHORT**3 keys)."""
+        q = (ctx - 1) // SHORT                               # 0 when ctx <= SHORT
+        long = ((q + SHORT - 1) // SHORT + SHORT - 1) // SHORT   # min(q, 1)
+        return PART_SHORT + (PART - PART_SHORT) * long
+
+    @triton.jit
     def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, po_ptr, pm_ptr, pl_ptr,
                                stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
                                qk_scale, window, max_parts,
                                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                               BLOCK_N: tl.constexpr, PART: tl.constexpr, SPLITS: tl.constexpr,
+                               BLOCK_N: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
+                               SHORT: tl.constexpr, SPLITS: tl.constexpr,
                                IS_F32: tl.constexpr, DOT_F32: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         L = tl.load(lens_ptr + b)
         start = tl.maximum(L - window, 0)
-        n_parts = tl.cdiv(L - start, PART)
+        part = _partition(L - start, PART, PART_SHORT, SHORT)
+        n_parts = tl.cdiv(L - start, part)
         Hq = tl.num_programs(1) * G
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D)
@@ -186,8 +208,8 @@ if triton_enabled():
         v_head = v_ptr + kvh.to(tl.int64) * stride_vh
         part_base = (b * Hq + heads).to(tl.int64) * max_parts                       # [G_PAD]
         for p in range(split, n_parts, SPLITS):
-            lo = start + p * PART
-            hi = tl.minimum(lo + PART, L)
+            lo = start + p * part
+            hi = tl.minimum(lo + part, L)
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
@@ -225,12 +247,14 @@ if triton_enabled():
     @triton.jit
     def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, lens_ptr, out_ptr, stride_ob, stride_oh,
                               window, max_parts, Hq,
-                              D: tl.constexpr, PART: tl.constexpr, CHUNK: tl.constexpr):
+                              D: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
+                              SHORT: tl.constexpr, CHUNK: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         L = tl.load(lens_ptr + b)
         start = tl.maximum(L - window, 0)
-        n_parts = tl.cdiv(L - start, PART)
+        part = _partition(L - start, PART, PART_SHORT, SHORT)
+        n_parts = tl.cdiv(L - start, part)
         base = (b * Hq + h).to(tl.int64) * max_parts
         offs_d = tl.arange(0, D)
         m_run = tl.full([1], float("-inf"), tl.float32)
