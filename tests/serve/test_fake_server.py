@@ -210,7 +210,10 @@ def test_client_disconnect_stops_the_request(fake_url, fake_engine, script):
     script.step_delay = 0.01
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "count"}]}
     with httpx.stream("POST", fake_url + "/v1/chat/completions", json=body, timeout=10) as r:
-        for i, _ in enumerate(r.iter_lines()):
+        # Keep the line iterator referenced: a dropped one is closed at once, and closing it
+        # closes the response, which is the disconnect this test makes only below.
+        lines = r.iter_lines()
+        for i, _ in enumerate(lines):
             if i > 5:
                 break
         assert fake_engine.running == 1
