@@ -48,11 +48,6 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def partition_size(context: int) -> int:
-    """Keys per decode partition for a visible context of ``context`` keys (the kernels' rule)."""
-    return SHORT_PARTITION if context <= SHORT_CONTEXT else PARTITION
-
-
 def num_partitions(max_context: int) -> int:
     """Partitions needed for any context up to ``max_context`` keys."""
     short = -(-min(max_context, SHORT_CONTEXT) // SHORT_PARTITION)
