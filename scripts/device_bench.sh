@@ -8,7 +8,7 @@
 # carried along; the package itself runs from the source tree (PYTHONPATH).
 # Every stage is time-boxed; a stage that fails or times out is recorded in bench.json
 # and the next one runs. The whole run stays under BUDGET_S seconds (default 530).
-# Writes under $OUT: pytest.xml (GPU tests), bench.json (all measurements, errors and
+# Writes under $OUT: pytest.xml (GPU tests), pytest-tp.xml (two-GPU tests), bench.json (all measurements, errors and
 # stage exit codes), sweep.csv + sweep.svg (decode speed against context), log.txt.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,6 +22,8 @@ JSON="$OUT/bench.json"
 DEPS=/tmp/lodestar-pydeps          # wheels from .whl/ are unpacked here, not into the system
 export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off on shared multi-GPU hosts (NCCL, PyTorch symmetric memory, NVSHMEM).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 : > "$LOG"
 
@@ -89,7 +91,11 @@ stage() {
 stage tests 130 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
   tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
+# Two or more GPUs: tensor parallelism over NCCL (skipped with one GPU).
+stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest-tp.xml" \
+  tests/distributed/test_tensor_parallel_cuda.py
 bench env 25
+bench tp 240
 bench gemv 100
 bench profile 60
 bench small 70

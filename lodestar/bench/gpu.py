@@ -23,6 +23,11 @@ Stages:
           (M = 1, 8, 32), then a tiling sweep for Q4_0 / Q4_K at M = 1
   profile wall time per decode step vs GPU time of its graph replay (host gap) and the
           per-kernel times of eager decode steps (SmolLM2 F16, 8B Q4_K and Q4_0)
+  tp      tensor parallelism (needs 2 GPUs): Llama-3.1-8B bf16 single-stream decode and
+          batch 32 with --tensor-parallel 1 and 2 in the same run; a 70B-geometry bf16
+          model (138.5 GB of weights; with a 128k-token cache, 181 GB: more than one H200
+          holds) with --tensor-parallel 2, decode at 1k / 32k / 128k context; per-GPU
+          memory from nvidia-smi
 
 Roofline: decode tok/s <= copy bandwidth / (weight bytes + KV bytes read per token).
 """
@@ -683,10 +688,134 @@ def stage_profile(r: Results) -> None:
         r.cell(f"{geometry}-{qtype}", cell, 25)
 
 
+
+# ----------------------------------------------------------------------- tensor parallel
+
+def gpu_memory_used_gb() -> list[float] | None:
+    """Memory in use on every GPU (all processes), from nvidia-smi."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+        return [round(float(v) * 1.048576 / 1e3, 2) for v in out.split()]
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def tp_engine(spec: str, world: int, max_len: int, kv_tokens: int, max_seqs: int = 64):
+    """(engine, load seconds) of ``spec`` in bf16 over ``world`` GPUs (load_model's own path:
+    worker processes, sharded loading, NCCL)."""
+    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
+    from lodestar.engine.loader import load_model
+    release()
+    t0 = time.perf_counter()
+    loaded = load_model(spec, mode="bf16", progress=False, device="cuda", tensor_parallel=world)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=8192, block_size=16, max_model_len=max_len,
+                       kv_tokens=kv_tokens, enable_prefix_cache=False, device="cuda", tensor_parallel=world)
+    return LLMEngine(loaded, cfg), load_s
+
+
+def context_decode(engine, ctx: int, new: int) -> float:
+    """Decode tok/s of one sequence whose cache already holds ``ctx - 1`` (zero) entries."""
+    from lodestar.engine.sequence import Sequence
+    runner, pool = engine.runner, engine.pool
+    seq = Sequence(10**6 + ctx, prompts(1, ctx, engine.loaded.config.vocab_size)[0], None)
+    runner.ensure_blocks(seq, ctx)
+    seq.num_computed = ctx - 1
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(new):
+        logits = runner.run([seq], [1])
+        seq.output_ids.append(int(logits[0].argmax()))
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    pool.free(seq.block_table)
+    return new / dt
+
+
+def stage_tp(r: Results) -> None:
+    n = torch.cuda.device_count()
+    r.cell("devices", lambda: {"count": n, "names": [torch.cuda.get_device_name(i) for i in range(n)],
+                               "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                               "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                                      "NVSHMEM_DISABLE_NVLS")}}, 5)
+    if n < 2:
+        r.put("skipped", {"reason": f"{n} CUDA device(s) visible; tensor parallelism needs 2"})
+        return
+    bw = bandwidth_from(r)
+    decode = {}
+    for world in (1, 2):
+        key = f"llama-3.1-8b-BF16/tp{world}"
+        state = {}
+
+        def load(world=world):
+            engine, load_s = tp_engine("synthetic:llama-3.1-8b:BF16", world, 4096 + 64, 32 * 420)
+            state["engine"] = engine
+            state["read"] = read_bytes_per_token(engine.loaded.model)
+            return {"load_s": round(load_s, 2), "weight_bytes_read_per_token_rank0": state["read"],
+                    "gpu_mem_used_gb": gpu_memory_used_gb()}
+
+        r.cell(f"{key}/load", load, 40)
+        if "engine" not in state:
+            continue
+        engine = state["engine"]
+
+        def dec(world=world):
+            out = decode_cell(engine, state["read"], bw)
+            decode[world] = out["decode_tok_s"]["median"]
+            out["gpu_mem_used_gb"] = gpu_memory_used_gb()
+            return out
+
+        r.cell(f"{key}/decode", dec, 20)
+        r.cell(f"{key}/batch_32", lambda: batch_cell(engine, 32), 20)
+        engine.loaded.close()
+        state.clear()
+        del engine
+        release()
+    if 1 in decode and 2 in decode:
+        r.put("llama-3.1-8b-BF16/tp2_over_tp1", {"decode_speedup": round(decode[2] / decode[1], 3),
+                                                 "target": 1.6})
+
+    key, contexts, new = "llama-70b-BF16/tp2", (1024, 32768, 131000), 32
+    state = {}
+
+    def load70():
+        engine, load_s = tp_engine("synthetic:llama-70b:BF16", 2, 131072, 131072 + 512, max_seqs=8)
+        state["engine"] = engine
+        state["read"] = read_bytes_per_token(engine.loaded.model)
+        return {"load_s": round(load_s, 2), "weight_bytes_per_rank": state["read"],
+                "gpu_mem_used_gb": gpu_memory_used_gb()}
+
+    r.cell(f"{key}/load", load70, 90)
+    if "engine" not in state:
+        return
+    engine = state["engine"]
+    r.cell(f"{key}/decode", lambda: {**decode_cell(engine, state["read"], bw, new=64),
+                                     "gpu_mem_used_gb": gpu_memory_used_gb()}, 30)
+    kvb = kv_bytes_per_token(engine)
+    for ctx in contexts:
+        def cell(ctx=ctx):
+            context_decode(engine, ctx, 8)
+            runs = [context_decode(engine, ctx, new) for _ in range(RUNS)]
+            out = {"context": ctx, "new_tokens": new, "decode_tok_s": stat(runs),
+                   "kv_bytes_per_token_rank0": kvb, "gpu_mem_used_gb": gpu_memory_used_gb()}
+            if bw:
+                roof = bw / (state["read"] + kvb * (ctx + new // 2))
+                out.update(roofline_tok_s_per_rank=round(roof, 1),
+                           fraction_of_roofline=round(statistics.median(runs) / roof, 3))
+            return out
+        r.cell(f"{key}/context_{ctx}", cell, 15)
+    engine.loaded.close()
+    state.clear()
+    del engine
+    release()
+
 # ------------------------------------------------------------------------------- main
 
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
-          "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile}
+          "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp}
 
 
 def main(argv: list[str] | None = None) -> int:

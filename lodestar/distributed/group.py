@@ -86,7 +86,11 @@ class TensorParallelGroup:
                 raise ValueError(f"--tensor-parallel {world} needs {world} CUDA devices from {self.device}; "
                                  f"{torch.cuda.device_count()} are visible")
             # NVLink SHARP (multicast) needs fabric support that shared hosts often lack.
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+                os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
+            # Rank 0 watches the workers itself (TPModelRunner) and aborts the communicators
+            # when one is gone; the NCCL watchdog's own handling would kill rank 0 instead.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         self.failure: WorkerDiedError | None = None
         self._closed = False
         self._connected = False
@@ -214,9 +218,15 @@ class TensorParallelGroup:
                 proc.join(timeout=10.0)
         for conn in self.conns:
             conn.close()
-        if self._connected and dist.is_initialized() and (self.failure is None or self.backend == "gloo"):
+        if self._connected and dist.is_initialized():
             try:
-                dist.destroy_process_group()
+                if self.failure is None or self.backend == "gloo":
+                    dist.destroy_process_group()
+                else:
+                    # A collective may wait forever on the dead peer: abort the communicators,
+                    # which ends the waiting kernels, instead of a destroy that would wait too.
+                    from torch.distributed.distributed_c10d import _abort_process_group
+                    _abort_process_group()
             except Exception:   # the group may be broken already; the workers are gone either way
                 pass
         self._connected = False

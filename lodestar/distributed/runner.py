@@ -1,6 +1,8 @@
 """Rank 0's model runner: each step goes to the workers first, then runs on rank 0's shard."""
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -33,11 +35,34 @@ class TPModelRunner(ModelRunner):
                 for s, n in zip(seqs, num_new)]
         self.group.send(("step", rows, list(num_new), None if want_logits is None else list(want_logits)))
         try:
-            return super().run(seqs, num_new, want_logits)
+            out = super().run(seqs, num_new, want_logits)
         except WorkerDiedError:
             raise
         except RuntimeError as e:   # a collective failed (a peer closed its socket, or the timeout)
             raise self.group.fail(e) from e
+        if self.device.type == "cuda":
+            self._wait_for_step()
+        return out
+
+    def _wait_for_step(self) -> None:
+        """Wait for this step's GPU work while watching the workers.
+
+        An NCCL collective whose peer died never finishes and reports nothing to the host,
+        so blocking on it (the sampler's copy of the tokens) would hang for good. Instead
+        the step's completion is polled; a worker that exits, or a step that runs past the
+        collective timeout, fails the group (which aborts the NCCL communicators)."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.group.timeout_s
+        polls = 0
+        while not done.query():
+            polls += 1
+            if polls % 64 == 0:
+                self.group.check()
+                if time.monotonic() > deadline:
+                    raise self.group.fail(TimeoutError(
+                        f"a step took longer than {self.group.timeout_s:g}s on the GPUs"))
+                time.sleep(0.0001 if polls > 4096 else 0)
 
     def capture(self, sizes: tuple[int, ...] = GRAPH_BATCH_SIZES) -> None:
         self.group.send(("capture", tuple(sizes)))
@@ -45,3 +70,5 @@ class TPModelRunner(ModelRunner):
             super().capture(sizes)
         except RuntimeError as e:
             raise self.group.fail(e) from e
+        if self.device.type == "cuda":
+            self._wait_for_step()

@@ -41,7 +41,7 @@ def build_shard(spec: str, mode: str, rank: int, world: int, device: str | torch
     from lodestar.distributed.sharding import ShardedWeightLoader, ShardSpec
     from lodestar.engine.loader import open_checkpoint
     from lodestar.models import build_model
-    _, source = open_checkpoint(spec)
+    _, source = open_checkpoint(spec, device)
     loader = ShardedWeightLoader(source, ShardSpec(rank, world), mode, on_tensor, device)
     return source, build_model(source.config, source, mode, on_tensor, device, loader=loader)
 

@@ -119,7 +119,8 @@ class LLMEngine:
             from lodestar.engine.disk_cache import DiskKVCache, KVLayout
             from lodestar.formats.catalog import file_sha256
             layers = loaded.model.attention_layers
-            layout = KVLayout(file_sha256(loaded.path), loaded.mode,
+            weights_id = getattr(loaded.file, "fingerprint", None) or file_sha256(loaded.path)
+            layout = KVLayout(weights_id, loaded.mode,
                               str(layers[0].k_cache.dtype).removeprefix("torch."), cfg.block_size,
                               tuple((l.n_kv_heads, l.head_dim) for l in layers))
             self.disk = DiskKVCache(cfg.kv_dir, layout, cfg.disk_max_bytes, cfg.disk_min_tokens)

@@ -57,8 +57,12 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def open_checkpoint(spec: str | Path | None) -> tuple[Path, object]:
-    """(path, tensor source) of a GGUF path, Hugging Face folder, known name or None (the default)."""
+def open_checkpoint(spec: str | Path | None, device: str | torch.device = "cpu") -> tuple[Path, object]:
+    """(path, tensor source) of a GGUF path, Hugging Face folder, known name, None (the
+    default) or ``synthetic:<geometry>[:<type>]`` (random weights made on ``device``)."""
+    from lodestar.formats.synthetic import SyntheticCheckpoint, parse_spec
+    if parse_spec(spec) is not None:
+        return Path(str(spec)), SyntheticCheckpoint.from_spec(str(spec), device)
     folder = Path(str(spec)).expanduser() if spec is not None else None
     if folder is not None and folder.is_dir():
         from lodestar.formats.safetensors import HFCheckpoint
@@ -96,8 +100,10 @@ def load_model(spec: str | Path | None = None, mode: str = "packed", progress: b
         raise ValueError(f"--dtype {mode!r}: choose one of {', '.join(WEIGHT_MODES)}")
     device = resolve_device(device)
     world = resolve_tensor_parallel(tensor_parallel)
+    from lodestar.formats.synthetic import parse_spec
+    is_synthetic = parse_spec(spec) is not None
     t0 = time.perf_counter()
-    path, source = open_checkpoint(spec)
+    path, source = open_checkpoint(spec, device)
     tokenizer = Tokenizer.from_metadata(source.metadata) if isinstance(source, GGUFFile) else source.tokenizer()
     group = None
     if world > 1:
@@ -108,7 +114,7 @@ def load_model(spec: str | Path | None = None, mode: str = "packed", progress: b
             raise DeviceError(f"--tensor-parallel {world} needs {world} CUDA devices; "
                               f"{torch.cuda.device_count()} are visible")
         gc.collect()   # a dropped tensor-parallel model may still hold the process group through a cycle
-        group = TensorParallelGroup(str(path), mode, device, world,
+        group = TensorParallelGroup(str(spec) if is_synthetic else str(path), mode, device, world,
                                     DEFAULT_TIMEOUT_S if tp_timeout_s is None else tp_timeout_s)
     try:
         total = sum(t.n_bytes for t in source.tensors.values()) // world

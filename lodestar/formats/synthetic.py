@@ -7,9 +7,15 @@ blocks with small finite scales) directly in memory on any device, so loading an
 model takes seconds instead of writing and reading 16 GB; the layers built from it run
 exactly the kernels a GGUF file would. ``synthetic_tokenizer_metadata`` gives a byte-level
 BPE vocabulary of any size for machines without the default model installed.
+
+Anything that takes ``--model`` also takes ``synthetic:<geometry>[:<type>]`` (e.g.
+``synthetic:llama-3.1-8b:BF16``): the checkpoint is made on the device the model loads on,
+and a tensor-parallel rank makes only the tensors it slices (a 70B-geometry model needs no
+disk and no host memory).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -41,10 +47,26 @@ GEOMETRIES = {
     "smollm2-135m": Geometry("llama", 576, 30, 9, 3, 64, 1536, 100000.0, tied=True, context=8192),
     "llama-3.2-1b": Geometry("llama", 2048, 16, 32, 8, 64, 8192, 500000.0, tied=True),
     "llama-3.1-8b": Geometry("llama", 4096, 32, 32, 8, 128, 14336, 500000.0, tied=False),
-    "llama-70b": Geometry("llama", 8192, 80, 64, 8, 128, 28672, 500000.0, tied=False),
+    "llama-70b": Geometry("llama", 8192, 80, 64, 8, 128, 28672, 500000.0, tied=False, context=131072),
     "qwen3-8b": Geometry("qwen3", 4096, 36, 32, 8, 128, 12288, 1000000.0, tied=False, qk_norm=True),
 }
 QTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K")
+SPEC_PREFIX = "synthetic:"
+SPEC_SEED = 1234
+
+
+def parse_spec(spec) -> tuple[str, str] | None:
+    """(geometry, type) of a ``synthetic:<geometry>[:<type>]`` model spec (type defaults to
+    BF16), None for any other spec; ValueError naming the choices for a bad one."""
+    text = str(spec) if spec is not None else ""
+    if not text.startswith(SPEC_PREFIX):
+        return None
+    parts = text[len(SPEC_PREFIX):].split(":")
+    geometry, qtype = parts[0], (parts[1] if len(parts) > 1 else "BF16").upper()
+    if len(parts) > 2 or geometry not in GEOMETRIES or qtype not in QTYPES:
+        raise ValueError(f"--model {text!r}: expected synthetic:<geometry>[:<type>] with geometry one of "
+                         f"{', '.join(GEOMETRIES)} and type one of {', '.join(QTYPES)}")
+    return geometry, qtype
 
 # fp16 scale fields per type (byte offset in the block): small, finite values.
 _SCALE_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
@@ -157,6 +179,25 @@ class SyntheticCheckpoint:
             rope_theta=g.rope_theta, rope_dim=g.head_dim, sliding_window=None, tie_embeddings=g.tied,
             extra={"hf_layout": True})
         self.metadata: dict = {}
+        # stands in for the file SHA-256 that keys disk KV checkpoints: same weights, same id
+        desc = f"{SPEC_PREFIX}{name}:{qtype_name}:seed={seed}:layers={layers}"
+        self.fingerprint = hashlib.sha256(desc.encode()).hexdigest()
+
+    @classmethod
+    def from_spec(cls, spec: str, device: str | torch.device = "cpu") -> "SyntheticCheckpoint":
+        """The checkpoint a ``synthetic:...`` spec names (fixed seed: every rank and every
+        process makes the same weights)."""
+        parsed = parse_spec(spec)
+        if parsed is None:
+            raise ValueError(f"{spec!r} is not a synthetic:<geometry>[:<type>] spec")
+        return cls(parsed[0], parsed[1], device=device, seed=SPEC_SEED)
+
+    def tokenizer(self):
+        """The default model's tokenizer when installed and of this vocabulary size, else a
+        synthetic byte-level one."""
+        from lodestar.tokenizer import Tokenizer
+        meta, _ = tokenizer_metadata_or_synthetic(self.config.vocab_size)
+        return Tokenizer.from_metadata(meta)
 
     @property
     def weight_bytes(self) -> int:

@@ -190,3 +190,21 @@ def test_server_exits_when_a_worker_dies(smollm_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_synthetic_spec_loads_shard_wise_in_every_rank(one_thread):
+    # Each worker makes its own slice of the random weights from the spec (no file at all).
+    spec, prompt = "synthetic:smollm2-135m:Q8_0", [[40, 41, 42, 43, 44, 45]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    outs = []
+    for tp in (1, 2):
+        loaded = load_model(spec, mode="fp32", progress=False, tensor_parallel=tp)
+        try:
+            assert loaded.config.name == "synthetic smollm2-135m Q8_0" and loaded.tensor_parallel == tp
+            engine = LLMEngine(loaded, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, tensor_parallel=tp))
+            outs.append(engine.generate(prompt, params)[0])
+        finally:
+            loaded.close()
+    assert outs[1].token_ids == outs[0].token_ids
+    for (lp1, _), (lp2, _) in zip(outs[0].logprobs, outs[1].logprobs):
+        assert abs(lp1 - lp2) < 1e-4
