@@ -24,6 +24,7 @@ export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
 # NVLink multicast stays off on shared multi-GPU hosts (NCCL, PyTorch symmetric memory, NVSHMEM).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LODESTAR_TP_TRACE_AFTER=${LODESTAR_TP_TRACE_AFTER:-170}   # a hung worker prints its stacks
 export PYTHONUNBUFFERED=1
 : > "$LOG"
 
@@ -92,7 +93,8 @@ stage tests 130 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
   tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
 # Two or more GPUs: tensor parallelism over NCCL (skipped with one GPU).
-stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest-tp.xml" \
+stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 \
+  --junitxml="$OUT/pytest-tp.xml" \
   tests/distributed/test_tensor_parallel_cuda.py
 bench env 25
 bench tp 240

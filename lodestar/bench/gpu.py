@@ -746,25 +746,27 @@ def stage_tp(r: Results) -> None:
         return
     bw = bandwidth_from(r)
     decode = {}
-    for world in (1, 2):
-        key = f"llama-3.1-8b-BF16/tp{world}"
+    from lodestar.distributed.allreduce import MODE_ENV
+    for world, allreduce in ((1, "auto"), (2, "nccl"), (2, "auto")):
+        key = f"llama-3.1-8b-BF16/tp{world}" + ("-nccl" if allreduce == "nccl" else "")
         state = {}
 
-        def load(world=world):
+        def load(world=world, allreduce=allreduce):
+            os.environ[MODE_ENV] = allreduce      # the workers inherit it
             engine, load_s = tp_engine("synthetic:llama-3.1-8b:BF16", world, 4096 + 64, 32 * 420)
             state["engine"] = engine
             state["read"] = read_bytes_per_token(engine.loaded.model)
             return {"load_s": round(load_s, 2), "weight_bytes_read_per_token_rank0": state["read"],
-                    "gpu_mem_used_gb": gpu_memory_used_gb()}
+                    "allreduce": getattr(engine.runner, "allreduce", None), "gpu_mem_used_gb": gpu_memory_used_gb()}
 
         r.cell(f"{key}/load", load, 40)
         if "engine" not in state:
             continue
         engine = state["engine"]
 
-        def dec(world=world):
+        def dec(key=key):
             out = decode_cell(engine, state["read"], bw)
-            decode[world] = out["decode_tok_s"]["median"]
+            decode[key] = out["decode_tok_s"]["median"]
             out["gpu_mem_used_gb"] = gpu_memory_used_gb()
             return out
 
@@ -774,9 +776,11 @@ def stage_tp(r: Results) -> None:
         state.clear()
         del engine
         release()
-    if 1 in decode and 2 in decode:
-        r.put("llama-3.1-8b-BF16/tp2_over_tp1", {"decode_speedup": round(decode[2] / decode[1], 3),
-                                                 "target": 1.6})
+    one = decode.get("llama-3.1-8b-BF16/tp1")
+    if one:
+        r.put("llama-3.1-8b-BF16/tp2_over_tp1", {
+            "decode_speedup": {k.split("/")[1]: round(v / one, 3) for k, v in decode.items()}, "target": 1.6})
+    os.environ[MODE_ENV] = "auto"
 
     key, contexts, new = "llama-70b-BF16/tp2", (1024, 32768, 131000), 32
     state = {}
@@ -786,7 +790,7 @@ def stage_tp(r: Results) -> None:
         state["engine"] = engine
         state["read"] = read_bytes_per_token(engine.loaded.model)
         return {"load_s": round(load_s, 2), "weight_bytes_per_rank": state["read"],
-                "gpu_mem_used_gb": gpu_memory_used_gb()}
+                "allreduce": getattr(engine.runner, "allreduce", None), "gpu_mem_used_gb": gpu_memory_used_gb()}
 
     r.cell(f"{key}/load", load70, 90)
     if "engine" not in state:
@@ -832,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # leave a few seconds for the process to exit cleanly
     r = Results(a.json, a.stage, time.time() + a.seconds - 5)
+    import faulthandler   # a stage that hangs prints every thread's stack before it is killed
+    faulthandler.dump_traceback_later(max(a.seconds - 12, 5), exit=False)
     try:
         if a.stage == "sweep":
             stage_sweep(r, a.csv, a.svg)

@@ -209,6 +209,12 @@ class TensorParallelGroup:
                     conn.send_bytes(data)
                 except OSError:
                     pass
+        if self.backend == "nccl":
+            # Every rank aborts its communicators: local and immediate. (Destroying them
+            # finalizes with the peers, which hangs on a peer that is dead or already gone;
+            # after a failure a collective may also wait forever on the dead peer, and the
+            # abort ends those kernels.)
+            self._leave_group(abort=True)
         # Workers that never joined the group hold nothing worth a clean stop.
         wait = 10.0 if self._connected and self.failure is None else 0.5 if self._connected else 0.0
         for proc in self.procs:
@@ -218,15 +224,23 @@ class TensorParallelGroup:
                 proc.join(timeout=10.0)
         for conn in self.conns:
             conn.close()
+        self._leave_group(abort=False)
+
+    def _leave_group(self, abort: bool) -> None:
         if self._connected and dist.is_initialized():
             try:
-                if self.failure is None or self.backend == "gloo":
-                    dist.destroy_process_group()
+                if abort:
+                    leave_nccl_group()
                 else:
-                    # A collective may wait forever on the dead peer: abort the communicators,
-                    # which ends the waiting kernels, instead of a destroy that would wait too.
-                    from torch.distributed.distributed_c10d import _abort_process_group
-                    _abort_process_group()
+                    dist.destroy_process_group()
             except Exception:   # the group may be broken already; the workers are gone either way
                 pass
         self._connected = False
+
+
+def leave_nccl_group() -> None:
+    """Abort this process's NCCL communicators (no waiting for the other ranks)."""
+    from lodestar.distributed.allreduce import release_buffers
+    release_buffers()
+    from torch.distributed.distributed_c10d import _abort_process_group
+    _abort_process_group()

@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lodestar.distributed.allreduce import all_reduce
+
 
 class RowParallelLinear(nn.Module):
     """A projection over this rank's slice of the input features; the partial outputs of
@@ -18,11 +20,10 @@ class RowParallelLinear(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
+        self.site: int | None = None   # this layer's slice of the symmetric buffer (allreduce.setup)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x)
-        dist.all_reduce(y)
-        return y
+        return all_reduce(self.inner(x), self.site)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,14 +34,14 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.inner = inner
         self.v0, self.v1, self.vocab_size, self.width = v0, v1, vocab_size, width
+        self.site: int | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.v0
         outside = (local < 0) | (local >= self.v1 - self.v0)
         rows = self.inner(local.clamp(0, self.v1 - self.v0 - 1))
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
-        dist.all_reduce(rows)
-        return rows
+        return all_reduce(rows, self.site)
 
     def as_linear(self) -> nn.Module:
         """This rank's rows as a linear layer (a tied head's slice)."""

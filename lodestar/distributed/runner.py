@@ -25,6 +25,9 @@ class TPModelRunner(ModelRunner):
         self.group = group
         group.send(("kv", pool.num_blocks, pool.block_size, kv_dtype, max_model_len, cuda_graphs))
         super().__init__(model, pool, kv_dtype, device, max_model_len, cuda_graphs)
+        from lodestar.distributed import allreduce
+        allreduce.setup(model, self.device, kv_dtype)   # collective, mirrored by the workers
+        self.allreduce = allreduce.describe()
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None = None

@@ -9,6 +9,7 @@ worker never samples; its slice of the logits goes to rank 0 and is dropped here
 """
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from dataclasses import dataclass, field
@@ -48,6 +49,10 @@ def build_shard(spec: str, mode: str, rank: int, world: int, device: str | torch
 
 def worker_main(args: WorkerArgs, conn) -> None:
     torch.set_num_threads(args.threads)
+    trace_after = os.environ.get("LODESTAR_TP_TRACE_AFTER")
+    if trace_after:   # diagnosing a hang: print every thread's stack after this many seconds
+        import faulthandler
+        faulthandler.dump_traceback_later(float(trace_after), exit=False)
     device = torch.device(args.device)
     try:
         if device.type == "cuda":
@@ -72,7 +77,11 @@ def worker_main(args: WorkerArgs, conn) -> None:
               file=sys.stderr, flush=True)
         sys.exit(1)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if args.backend == "nccl":
+            from lodestar.distributed.group import leave_nccl_group
+            leave_nccl_group()
+        else:
+            dist.destroy_process_group()
 
 
 @torch.inference_mode()
@@ -91,6 +100,8 @@ def _serve(model, device: torch.device, conn) -> None:
             # The pool only gives the runner its geometry; rank 0 hands out the blocks.
             runner = ModelRunner(model, BlockPool(num_blocks, block_size, enable_prefix_cache=False), kv_dtype,
                                  device, max_model_len, cuda_graphs)
+            from lodestar.distributed import allreduce
+            allreduce.setup(model, runner.device, kv_dtype)
         elif op == "step":
             _, rows, num_new, want = msg
             runner.run([StepRow(*r) for r in rows], num_new, want)

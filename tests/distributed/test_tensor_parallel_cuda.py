@@ -5,8 +5,10 @@
    log-probabilities within 1e-3 of the oracle.
 2. bf16 activations (packed weights), CUDA graphs on: TP=2 decode replays captured graphs
    (the all-reduces and the head's all-gather are inside them), gives the same tokens as
-   TP=2 without graphs, and the same tokens as TP=1 except where TP=1's own top-2 margin
-   is a near tie (each divergence is reported with its step and margin).
+   TP=2 eager with every sum on NCCL (LODESTAR_TP_ALLREDUCE=nccl; two ranks' sums are
+   one correctly rounded addition either way), and the same tokens as TP=1 except where
+   TP=1's own top-2 margin is a near tie (each divergence is reported with its step and
+   margin).
 3. A worker killed mid-stream fails the request with WorkerDiedError naming it, within
    seconds (the NCCL communicators are aborted, nothing hangs).
 """
@@ -42,19 +44,26 @@ def _cases() -> list[dict]:
     return [c for c in doc["cases"] if len(c["prompt_ids"]) < 100]
 
 
-def _generate(mode: str, tp: int, cases: list[dict], steps: int, cuda_graphs: bool = True):
+def _generate(mode: str, tp: int, cases: list[dict], steps: int, cuda_graphs: bool = True,
+              allreduce: str = "auto"):
+    from lodestar.distributed.allreduce import MODE_ENV
     from lodestar.engine.llm_engine import EngineConfig, LLMEngine
     from lodestar.engine.loader import load_model
     from lodestar.engine.sampling import SamplingParams
-    loaded = load_model("default", mode=mode, progress=False, device="cuda", tensor_parallel=tp)
+    os.environ[MODE_ENV] = allreduce
     try:
-        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=16, max_num_batched_tokens=1024, device="cuda",
-                                                tensor_parallel=tp, cuda_graphs=cuda_graphs))
-        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=20)
-        results = engine.generate([c["prompt_ids"] for c in cases], params)
-        return results, engine.runner.graph_replays
+        loaded = load_model("default", mode=mode, progress=False, device="cuda", tensor_parallel=tp)
+        try:
+            engine = LLMEngine(loaded, EngineConfig(max_num_seqs=16, max_num_batched_tokens=1024, device="cuda",
+                                                    tensor_parallel=tp, cuda_graphs=cuda_graphs))
+            print(f"TP={tp} {mode} graphs={cuda_graphs}: all-reduce {getattr(engine.runner, 'allreduce', '-')}")
+            params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=20)
+            results = engine.generate([c["prompt_ids"] for c in cases], params)
+            return results, engine.runner.graph_replays
+        finally:
+            loaded.close()
     finally:
-        loaded.close()
+        os.environ.pop(MODE_ENV, None)
 
 
 def test_fp32_two_gpus_match_one_gpu_and_the_oracle():
@@ -75,7 +84,7 @@ def test_fp32_two_gpus_match_one_gpu_and_the_oracle():
 def test_bf16_two_gpus_capture_graphs_and_agree():
     cases = _cases()
     graphs, replays = _generate("packed", 2, cases, 32, cuda_graphs=True)
-    eager, eager_replays = _generate("packed", 2, cases, 32, cuda_graphs=False)
+    eager, eager_replays = _generate("packed", 2, cases, 32, cuda_graphs=False, allreduce="nccl")
     single, _ = _generate("packed", 1, cases, 32)
     assert replays > 0 and eager_replays == 0
     report = []
