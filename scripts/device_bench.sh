@@ -97,7 +97,8 @@ stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o fault
   --junitxml="$OUT/pytest-tp.xml" \
   tests/distributed/test_tensor_parallel_cuda.py
 bench env 25
-bench tp 240
+bench tp 150
+bench tp70 120
 bench gemv 100
 bench profile 60
 bench small 70

@@ -24,9 +24,11 @@ Stages:
   profile wall time per decode step vs GPU time of its graph replay (host gap) and the
           per-kernel times of eager decode steps (SmolLM2 F16, 8B Q4_K and Q4_0)
   tp      tensor parallelism (needs 2 GPUs): Llama-3.1-8B bf16 single-stream decode and
-          batch 32 with --tensor-parallel 1 and 2 in the same run; a 70B-geometry bf16
-          model (138.5 GB of weights; with a 128k-token cache, 181 GB: more than one H200
-          holds) with --tensor-parallel 2, decode at 1k / 32k / 128k context; per-GPU
+          batch 32 with --tensor-parallel 1 and 2 (symmetric-memory and NCCL all-reduce)
+          in the same run
+  tp70    a 70B-geometry bf16 model (138.5 GB of weights; with a 128k-token cache,
+          181 GB: more than one H200 holds) with --tensor-parallel 2, decode at 1k / 32k /
+          128k context; per-GPU
           memory from nvidia-smi
 
 Roofline: decode tok/s <= copy bandwidth / (weight bytes + KV bytes read per token).
@@ -747,7 +749,8 @@ def stage_tp(r: Results) -> None:
     bw = bandwidth_from(r)
     decode = {}
     from lodestar.distributed.allreduce import MODE_ENV
-    for world, allreduce in ((1, "auto"), (2, "nccl"), (2, "auto")):
+    # symmetric memory is set up once per process: the first two-GPU load gets it
+    for world, allreduce in ((1, "auto"), (2, "auto"), (2, "nccl")):
         key = f"llama-3.1-8b-BF16/tp{world}" + ("-nccl" if allreduce == "nccl" else "")
         state = {}
 
@@ -782,6 +785,12 @@ def stage_tp(r: Results) -> None:
             "decode_speedup": {k.split("/")[1]: round(v / one, 3) for k, v in decode.items()}, "target": 1.6})
     os.environ[MODE_ENV] = "auto"
 
+
+def stage_tp70(r: Results) -> None:
+    if torch.cuda.device_count() < 2:
+        r.put("skipped", {"reason": f"{torch.cuda.device_count()} CUDA device(s) visible; needs 2"})
+        return
+    bw = bandwidth_from(r)
     key, contexts, new = "llama-70b-BF16/tp2", (1024, 32768, 131000), 32
     state = {}
 
@@ -819,7 +828,8 @@ def stage_tp(r: Results) -> None:
 # ------------------------------------------------------------------------------- main
 
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
-          "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp}
+          "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
+          "tp70": stage_tp70}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from torch import nn
 MODE_ENV = "LODESTAR_TP_ALLREDUCE"        # auto (default) or nccl
 CAPACITY_ROWS = 64                        # rows per call site: the largest decode graph
 
-_state: dict = {"buffer": None, "group": None, "sites": 0, "why": "not set up"}
+_state: dict = {"buffer": None, "group": None, "sites": 0, "why": "not set up", "used": False, "kept": []}
 
 
 def describe() -> str:
@@ -82,11 +82,16 @@ def setup(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         has_op = hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
     except (ImportError, AttributeError, RuntimeError):
         has_op = False
-    ok = torch.tensor([1 if has_op else 0], dtype=torch.int32, device=device)
+    # Symmetric memory is set up once per process: torch keeps per-group state under the
+    # group's name, which a later group (after this one is left) would reuse.
+    fresh = not _state["used"]
+    ok = torch.tensor([1 if has_op and fresh else 0], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not int(ok):
-        _state["why"] = "this torch has no symmetric-memory one-shot all-reduce"
+        _state["why"] = ("symmetric memory was set up for an earlier group of this process" if has_op else
+                         "this torch has no symmetric-memory one-shot all-reduce")
         return
+    _state["used"] = True
     width = int(model.config.d_model)      # every site sums [rows, d_model]
     group = dist.group.WORLD.group_name
     try:
@@ -108,7 +113,10 @@ def setup(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
 
 
 def release_buffers() -> None:
-    """Forget the symmetric buffer (before the process group goes away)."""
+    """Stop using the symmetric buffer (before the process group goes away). The buffer
+    itself is kept: freeing memory that other processes map is left to process exit."""
+    if _state["buffer"] is not None:
+        _state["kept"].append(_state["buffer"])
     _state.update(buffer=None, group=None, sites=0, why="released")
 
 

@@ -92,6 +92,7 @@ class TensorParallelGroup:
             # when one is gone; the NCCL watchdog's own handling would kill rank 0 instead.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         self.failure: WorkerDiedError | None = None
+        self.before_leave: list = []   # run before the NCCL group is left (the runner drops its graphs)
         self._closed = False
         self._connected = False
         self._store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
@@ -202,6 +203,7 @@ class TensorParallelGroup:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        connected = self._connected
         data = pickle.dumps(("stop",))
         for conn, proc in zip(self.conns, self.procs):
             if proc.exitcode is None and self.failure is None:
@@ -209,38 +211,80 @@ class TensorParallelGroup:
                     conn.send_bytes(data)
                 except OSError:
                     pass
-        if self.backend == "nccl":
-            # Every rank aborts its communicators: local and immediate. (Destroying them
-            # finalizes with the peers, which hangs on a peer that is dead or already gone;
-            # after a failure a collective may also wait forever on the dead peer, and the
-            # abort ends those kernels.)
-            self._leave_group(abort=True)
+        if self.backend == "nccl" and self._connected:
+            # NCCL: every rank aborts its communicators at the same time (a communicator
+            # is reclaimed only once all ranks let go, and not while a captured CUDA graph
+            # still holds it, so the graphs go first). After a failure, the abort also ends
+            # collectives that wait for the dead peer.
+            for release in self.before_leave if self.failure is None else ():   # (a sync would wait
+                try:                                                             # on the dead peer)
+                    release()
+                except Exception:
+                    pass
+            leave_nccl_group(5.0 if self.failure is not None else 30.0)
+            self._connected = False
+        for conn in self.conns:     # a worker waits for this before it exits
+            conn.close()
         # Workers that never joined the group hold nothing worth a clean stop.
-        wait = 10.0 if self._connected and self.failure is None else 0.5 if self._connected else 0.0
+        wait = (10.0 if self.failure is None else 0.5) if connected else 0.0
         for proc in self.procs:
             proc.join(timeout=wait)
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(timeout=10.0)
-        for conn in self.conns:
-            conn.close()
-        self._leave_group(abort=False)
-
-    def _leave_group(self, abort: bool) -> None:
         if self._connected and dist.is_initialized():
             try:
-                if abort:
-                    leave_nccl_group()
-                else:
-                    dist.destroy_process_group()
+                dist.destroy_process_group()
             except Exception:   # the group may be broken already; the workers are gone either way
                 pass
         self._connected = False
 
 
-def leave_nccl_group() -> None:
-    """Abort this process's NCCL communicators (no waiting for the other ranks)."""
+_LEFT_GROUPS: list = []   # NCCL process groups left by abort: kept, never destroyed a second time
+
+
+def leave_nccl_group(timeout_s: float = 30.0) -> bool:
+    """Abort this process's NCCL communicators and forget the default process group.
+
+    The abort runs on a helper thread and is waited for at most ``timeout_s`` seconds;
+    either way the group is then forgotten here (and kept alive, so that no destructor
+    tears it down again), so that a new group can be made. Returns whether the abort
+    finished in time.
+    """
+    import ctypes
+    import threading
+
+    from torch.distributed import distributed_c10d as c10d
+
     from lodestar.distributed.allreduce import release_buffers
     release_buffers()
-    from torch.distributed.distributed_c10d import _abort_process_group
-    _abort_process_group()
+    try:
+        pg = c10d._get_default_group()
+    except (RuntimeError, ValueError):
+        return True
+    done = threading.Event()
+
+    def abort() -> None:
+        try:
+            pg.abort()
+        except Exception:
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=abort, name="lodestar-nccl-abort", daemon=True).start()
+    finished = done.wait(timeout_s)
+    _LEFT_GROUPS.append(pg)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+    c10d._update_default_pg(None)
+    world = c10d._world
+    for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+                 "pg_coalesce_state"):
+        table = getattr(world, name, None)
+        if table is not None:
+            table.clear()
+    unregister = getattr(c10d, "_unregister_all_process_groups", None)
+    if unregister is not None:
+        unregister()
+    world.group_count = 0
+    return finished

@@ -1,7 +1,9 @@
 """Rank 0's model runner: each step goes to the workers first, then runs on rank 0's shard."""
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -28,6 +30,15 @@ class TPModelRunner(ModelRunner):
         from lodestar.distributed import allreduce
         allreduce.setup(model, self.device, kv_dtype)   # collective, mirrored by the workers
         self.allreduce = allreduce.describe()
+        group.before_leave.append(_weak_call(self.release_graphs))
+
+    def release_graphs(self) -> None:
+        """Drop the captured decode graphs (they hold the NCCL communicator)."""
+        if self.graphs:
+            self.graphs.clear()
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None = None
@@ -75,3 +86,15 @@ class TPModelRunner(ModelRunner):
             raise self.group.fail(e) from e
         if self.device.type == "cuda":
             self._wait_for_step()
+
+
+def _weak_call(method):
+    """A callable that runs ``method`` while its object lives (the group must not keep a
+    dropped engine's runner alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        m = ref()
+        if m is not None:
+            m()
+    return call

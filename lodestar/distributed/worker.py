@@ -9,6 +9,7 @@ worker never samples; its slice of the logits goes to rank 0 and is dropped here
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import sys
@@ -78,8 +79,14 @@ def worker_main(args: WorkerArgs, conn) -> None:
         sys.exit(1)
     if dist.is_initialized():
         if args.backend == "nccl":
+            # abort together with rank 0, then stay until rank 0 is done with its own
             from lodestar.distributed.group import leave_nccl_group
-            leave_nccl_group()
+            leave_nccl_group(30.0)
+            try:
+                while conn.poll(30.0):
+                    conn.recv_bytes()
+            except (EOFError, OSError):
+                pass
         else:
             dist.destroy_process_group()
 
@@ -93,6 +100,11 @@ def _serve(model, device: torch.device, conn) -> None:
         msg = pickle.loads(conn.recv_bytes())
         op = msg[0]
         if op == "stop":
+            if runner is not None and device.type == "cuda":
+                runner.graphs.clear()      # captured collectives hold the NCCL communicator
+                runner = None
+                gc.collect()
+                torch.cuda.synchronize(device)
             return
         if op == "kv":
             _, num_blocks, block_size, kv_dtype, max_model_len, cuda_graphs = msg
