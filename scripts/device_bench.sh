@@ -89,14 +89,16 @@ stage() {
   want "$1" || return 0
   _stage "$@"
 }
-stage tests 130 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
+stage tests 200 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
+  tests/kernels/test_triton_decode_fusion.py tests/kernels/test_triton_dense.py \
   tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
 # Two or more GPUs: tensor parallelism over NCCL (skipped with one GPU).
 stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 \
   --junitxml="$OUT/pytest-tp.xml" \
   tests/distributed/test_tensor_parallel_cuda.py
 bench env 25
+bench fuse 130
 bench tp 150
 bench tp70 120
 bench gemv 100
@@ -106,6 +108,7 @@ bench 8b-f16 110
 bench 8b-q4k 45
 bench sweep 60 --csv "$OUT/sweep.csv" --svg "$OUT/sweep.svg"
 bench 8b-q4_0 45
+bench dense 90
 bench hf 80 --workdir /tmp/lodestar-bench
 say "done in $(( $(date +%s) - START ))s"
 note "done in $(( $(date +%s) - START ))s"

@@ -23,6 +23,9 @@ Stages:
           (M = 1, 8, 32), then a tiling sweep for Q4_0 / Q4_K at M = 1
   profile wall time per decode step vs GPU time of its graph replay (host gap) and the
           per-kernel times of eager decode steps (SmolLM2 F16, 8B Q4_K and Q4_0)
+  fuse    decode fusions off vs on (LODESTAR_FUSE=0/1): same tokens and log-probabilities,
+          decode tok/s (8B Q4_0 and Q4_K, SmolLM2 Q4_0)
+  dense   bf16 matrix-vector at M = 1: cuBLAS vs the Triton kernel (tiling sweep)
   tp      tensor parallelism (needs 2 GPUs): Llama-3.1-8B bf16 single-stream decode and
           batch 32 with --tensor-parallel 1 and 2 (symmetric-memory and NCCL all-reduce)
           in the same run
@@ -653,6 +656,21 @@ def stage_profile(r: Results) -> None:
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / steps
             g = runner.graphs[1]["graph"]
+            # GPU time of the graph replay inside the engine's steps (vs back to back below)
+            inner, replay = [], g.replay
+
+            def timed_replay():
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                replay()
+                b.record()
+                inner.append((a, b))
+            g.replay = timed_replay
+            for _ in range(30):
+                engine.step()
+            torch.cuda.synchronize()
+            g.replay = replay
+            in_engine = statistics.median(a.elapsed_time(b) for a, b in inner) / 1e3 if inner else None
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for _ in range(steps):
@@ -680,6 +698,7 @@ def stage_profile(r: Results) -> None:
             total_kernel_us = sum(v[0] for v in kernels.values())
             engine.abort(rid)
             out = {"wall_ms_per_step": round(wall * 1e3, 3), "graph_replay_gpu_ms": round(gpu * 1e3, 3),
+                   "in_engine_replay_gpu_ms": round(in_engine * 1e3, 3) if in_engine else None,
                    "host_gap_ms": round((wall - gpu) * 1e3, 3), "decode_tok_s_wall": round(1 / wall, 1),
                    "eager_kernel_ms_per_step": round(total_kernel_us / 1e3, 3),
                    "eager_kernels_per_step": sum(v[1] for v in kernels.values()),
@@ -689,6 +708,81 @@ def stage_profile(r: Results) -> None:
             return out
         r.cell(f"{geometry}-{qtype}", cell, 25)
 
+
+
+# ------------------------------------------------------------------ decode fusions A/B
+
+def stage_fuse(r: Results) -> None:
+    """Decode fusions (``LODESTAR_FUSE``: x quantization in the norm / activation, K-split
+    sums inside the matrix-vector kernel, residual add in the next norm) off vs on, one
+    engine each: identical greedy tokens and log-probabilities, and decode tok/s."""
+    from lodestar.engine.sampling import SamplingParams
+    for geometry, qtype in (("llama-3.1-8b", "Q4_0"), ("smollm2-135m", "Q4_0"), ("llama-3.1-8b", "Q4_K")):
+        def cell(geometry=geometry, qtype=qtype):
+            res = {}
+            for fuse in ("0", "1"):
+                os.environ["LODESTAR_FUSE"] = fuse
+                engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, kv_tokens=4096)
+                ps = prompts(3, 40, engine.loaded.config.vocab_size)
+                sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+                comp = engine.generate(ps, sp)
+                timed_generate(engine, [ps[0]], 16)
+                one = [timed_generate(engine, [ps[0]], 128)["decode_tok_s"] for _ in range(RUNS)]
+                res[fuse] = {"tokens": [c.token_ids for c in comp],
+                             "logprobs": [[lp[0] for lp in c.logprobs] for c in comp],
+                             "decode_tok_s": stat(one)}
+                del engine, comp
+                release()
+            os.environ.pop("LODESTAR_FUSE", None)
+            off, on = res["0"], res["1"]
+            return {"same_tokens": off["tokens"] == on["tokens"], "same_logprobs": off["logprobs"] == on["logprobs"],
+                    "decode_tok_s_off": off["decode_tok_s"], "decode_tok_s_on": on["decode_tok_s"],
+                    "on_over_off": round(on["decode_tok_s"]["median"] / off["decode_tok_s"]["median"], 3)}
+        r.cell(f"{geometry}-{qtype}", cell, 30)
+
+
+def stage_dense(r: Results) -> None:
+    """Dense bf16 matrix-vector product at M = 1: cuBLAS (F.linear, what the layers run)
+    against the Triton kernel of ``kernels.triton_dense`` over a small tiling sweep."""
+    import torch.nn.functional as F
+
+    from lodestar.kernels import triton_dense as td
+    bw = bandwidth_from(r)
+    shapes = {"8b/qkv": (6144, 4096), "8b/o": (4096, 4096), "8b/gate_up": (28672, 4096), "8b/down": (4096, 14336),
+              "smollm2/qkv": (960, 576), "smollm2/gate_up": (3072, 576), "smollm2/down": (576, 1536)}
+    for name, (n, k) in shapes.items():
+        def cell(n=n, k=k):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            nbytes = w.numel() * 2
+            t = _time_gpu(lambda: F.linear(x, w))
+            out = {"cublas_us": round(t * 1e6, 2), "cublas_gb_per_s": round(nbytes / t / 1e9, 1)}
+            best = None
+            ref = F.linear(x.float(), w.float())
+            for bn in (4, 8, 16):
+                for bk in (256, 512):
+                    for split in (1, 4):
+                        if r.left() < 15:
+                            out["partial"] = True
+                            break
+                        cfg = td.DenseGemvConfig(bn, bk, split, 4)
+                        try:
+                            err = (td.dense_gemv(x, w, torch.float32, cfg) - ref).abs().max().item()
+                            tt = _time_gpu(lambda: td.dense_gemv(x, w, config=cfg))
+                        except Exception as e:
+                            out[f"{bn},{bk},{split}"] = f"{type(e).__name__}: {e}"[:160]
+                            continue
+                        out[f"{bn},{bk},{split}"] = round(tt * 1e6, 2)
+                        if best is None or tt < best[1]:
+                            best = ((bn, bk, split), tt, err)
+            if best:
+                out.update(best_config=best[0], best_us=round(best[1] * 1e6, 2),
+                           best_gb_per_s=round(nbytes / best[1] / 1e9, 1), best_max_abs_err=best[2],
+                           triton_over_cublas_time=round(best[1] / t, 3))
+            if bw:
+                out["cublas_fraction_of_copy_bw"] = round(nbytes / t / bw, 3)
+            return out
+        r.cell(name, cell, 15)
 
 
 # ----------------------------------------------------------------------- tensor parallel
@@ -829,7 +923,7 @@ def stage_tp70(r: Results) -> None:
 
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
           "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
-          "tp70": stage_tp70}
+          "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense}
 
 
 def main(argv: list[str] | None = None) -> int:

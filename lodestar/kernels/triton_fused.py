@@ -5,7 +5,10 @@
     optionally adding a residual first: ``r = x + residual`` (rounded to the activation
     dtype, as the unfused add would), ``y = norm(r)``; returns ``y`` (and ``r``). Statistics
     in fp32. ``offset=False``: ``w * y.to(dtype)`` (Llama); ``offset=True``:
-    ``(y * w).to(dtype)`` (Gemma, whose ``w`` already holds ``1 + w``).
+    ``(y * w).to(dtype)`` (Gemma, whose ``w`` already holds ``1 + w``). With
+    ``quantize=True`` (bf16 [M, D] rows) the same kernel also quantizes its bf16 output for
+    the matrix-vector kernel and returns ``triton_quant.QuantizedRows``: the same bits as
+    ``quantize_x`` of the output, one launch fewer.
 ``rope_`` [``rope_ref``]
     Rotate-half rotary embedding applied in place to q ``[T, Hq, D]`` and k ``[T, Hk, D]``
     (views into the fused qkv output are fine) from fp32 cos/sin tables indexed by
@@ -13,14 +16,14 @@
     one rounding.
 ``silu_mul`` / ``gelu_tanh_mul`` [``*_ref``]
     ``act(gate) * up`` over [T, F] views (gate and up may be halves of one fused output),
-    fp32 math, one rounding.
+    fp32 math, one rounding; ``quantize=True`` as for ``rms_norm``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import triton_enabled
+from lodestar.kernels.triton_quant import GROUP, QuantizedRows, triton_enabled
 
 
 def _pow2(n: int) -> int:
@@ -35,21 +38,36 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------- RMSNorm
 
+def _quant_outputs(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(words, d1, sums) buffers for a fused quantization of bf16 rows ``x [M, K]``, or
+    placeholders (never written) when ``quantize`` is off."""
+    if not quantize:
+        return x, x, x
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[-1] % GROUP:
+        raise ValueError(f"quantize=True needs bf16 [rows, features] with features a multiple of {GROUP}; "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    return QuantizedRows.empty(x.shape[0], x.shape[1], x.device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, quantize: bool = False):
     """RMSNorm of ``x`` (2-D or 3-D) -> contiguous result in x's dtype; with ``residual``
-    returns ``(norm(x + residual), x + residual)``."""
+    returns ``(norm(x + residual), x + residual)``. ``quantize=True`` returns the norm as
+    ``QuantizedRows`` (bf16 2-D ``x`` only)."""
     shape = x.shape
     x3 = _as_3d(x)
     A, B, D = x3.shape
     out = torch.empty(shape, device=x.device, dtype=x.dtype)
     res_in = _as_3d(residual) if residual is not None else x3
     res_out = torch.empty(shape, device=x.device, dtype=x.dtype) if residual is not None else out
+    words, d1, sums = _quant_outputs(out, quantize)
+    block = _pow2(max(D, GROUP))
     _rms_norm_kernel[(A * B,)](
-        x3, res_in, weight, out, res_out, B, x3.stride(0), x3.stride(1), res_in.stride(0), res_in.stride(1),
-        eps, D=D, BLOCK=_pow2(D), OFFSET=offset, HAS_RES=residual is not None,
+        x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
+        res_in.stride(1), eps, D=D, BLOCK=block, OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize,
         num_warps=4 if D <= 2048 else 8)
-    return (out, res_out) if residual is not None else out
+    y = QuantizedRows(out, words, d1, sums) if quantize else out
+    return (y, res_out) if residual is not None else y
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
@@ -109,27 +127,28 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: tor
 
 # ---------------------------------------------------------------------- activations
 
-def _glu(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool):
     T, Fd = gate.shape
     if gate.stride(-1) != 1:
         gate = gate.contiguous()
     if up.stride(-1) != 1:
         up = up.contiguous()
     out = torch.empty(T, Fd, device=gate.device, dtype=gate.dtype)
-    block = 1024
-    _glu_kernel[(T, -(-Fd // block))](gate, up, out, gate.stride(0), up.stride(0), Fd,
-                                             ACT=act, BLOCK=block, num_warps=4)
-    return out
+    words, d1, sums = _quant_outputs(out, quantize)
+    block = 1024    # a whole number of 32-element groups per program
+    _glu_kernel[(T, -(-Fd // block))](gate, up, out, words, d1, sums, gate.stride(0), up.stride(0), Fd,
+                                      ACT=act, BLOCK=block, QUANT=quantize, num_warps=4)
+    return QuantizedRows(out, words, d1, sums) if quantize else out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for [T, F] views."""
-    return _glu(gate, up, 0)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False):
+    """``silu(gate) * up`` for [T, F] views (``QuantizedRows`` with ``quantize``)."""
+    return _glu(gate, up, 0, quantize)
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` for [T, F] views."""
-    return _glu(gate, up, 1)
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False):
+    """``gelu_tanh(gate) * up`` for [T, F] views (``QuantizedRows`` with ``quantize``)."""
+    return _glu(gate, up, 1, quantize)
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -146,9 +165,21 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
+    from lodestar.kernels.triton_quant import _quant_groups, _store_quant_groups
+
     @triton.jit
-    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, B, sx0, sx1, sr0, sr1, eps,
-                         D: tl.constexpr, BLOCK: tl.constexpr, OFFSET: tl.constexpr, HAS_RES: tl.constexpr):
+    def _quant_store(words_ptr, d1_ptr, sums_ptr, y, row, g0, D, BLOCK: tl.constexpr):
+        """Quantize the bf16 values ``y [BLOCK]`` (columns ``32 * g0 ..``; groups past D are
+        masked) of row ``row`` as ``quantize_x`` does, into its [rows, D/32] outputs."""
+        GB: tl.constexpr = BLOCK // 32
+        g = g0 + tl.arange(0, GB)
+        w1, w2, d1, sa, sb = _quant_groups(tl.reshape(y.to(tl.float32), (GB, 32)), GB)
+        _store_quant_groups(words_ptr, d1_ptr, sums_ptr, row * (D // 32) + g, g < D // 32, w1, w2, d1, sa, sb)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
+                         B, sx0, sx1, sr0, sr1, eps, D: tl.constexpr, BLOCK: tl.constexpr,
+                         OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr):
         row = tl.program_id(0)
         a = (row // B).to(tl.int64)
         b = (row % B).to(tl.int64)
@@ -167,7 +198,10 @@ if triton_enabled():
             y = h * w
         else:
             y = w * h.to(x.dtype).to(tl.float32)
-        tl.store(out_ptr + row.to(tl.int64) * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row.to(tl.int64) * D + cols, y, mask=mask)
+        if QUANT:   # from the stored (rounded) values, exactly as quantize_x would read them
+            _quant_store(words_ptr, d1_ptr, sums_ptr, y, row.to(tl.int64), 0, D, BLOCK)
 
     @triton.jit
     def _rope_rows(ptr, pos_cos, pos_sin, t, stride_t, stride_h, H: tl.constexpr, H_PAD: tl.constexpr,
@@ -225,7 +259,8 @@ if triton_enabled():
             _copy_rows(v_ptr, vc_ptr, t, slot, sv0, sv1, svc0, svc1, 0, Hk, HK_PAD, D, D_PAD)
 
     @triton.jit
-    def _glu_kernel(g_ptr, u_ptr, out_ptr, sg, su, Fd, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    def _glu_kernel(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd,
+                    ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < Fd
@@ -237,4 +272,8 @@ if triton_enabled():
             # 0.5 * (1 + tanh(z)) == sigmoid(2z): no cancellation for negative z
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)   # sqrt(2/pi) * (...)
             a = g / (1.0 + tl.exp(-2.0 * z))
-        tl.store(out_ptr + t * Fd + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (a * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * Fd + cols, y, mask=mask)
+        if QUANT:
+            # Fd is a multiple of 32 here: the masked tail holds whole groups only
+            _quant_store(words_ptr, d1_ptr, sums_ptr, y, t, tl.program_id(1) * (BLOCK // 32), Fd, BLOCK)

@@ -35,13 +35,23 @@ Kernels (reference in brackets, same module):
     four byte lanes (plus the 5th/6th bits for Q5_K/Q6_K), and multiplied with the x terms
     by ``dp4a`` (4 multiply-adds per instruction, exact int32). Per group the fp32 result
     is ``scale * (d1*i1 + d2*i2 - bias*sum(x)) + offset*sum(x)``. K splits write fp32
-    partials that a second kernel adds in a fixed order. Tiling depends on (N, K) only
+    partials; the last program of an output tile to finish (an atomic counter per tile,
+    reset to 0 by that program, so CUDA-graph replays find it zeroed) adds them in split
+    order, which is what the separate ``_split_sum_kernel`` (fusion ``split_sum`` off)
+    does. An x that a fused kernel already quantized (``QuantizedRows``: RMSNorm,
+    gated activation) skips ``quantize_x``; the values are the same bits, since every
+    kernel that quantizes uses one function (``_quant_groups``) whose half sums are added
+    in a fixed pairwise order. Tiling depends on (N, K) only
     and every row of x goes through the same program whatever M is, so a row's result
     does not depend on which other rows share the batch (batched decode and CUDA-graph
     replay give the same tokens as single-stream decode).
 ``dequantize_packed`` [``dequantize_packed_ref``, bit-identical to ``dequant.dequantize``]
     Writes the whole weight as bf16 (or fp32); the large-M (prefill) path dequantizes
     per call into a temporary and runs one cuBLAS matmul (``matmul``).
+
+Decode fusions (``fusions()``, env ``LODESTAR_FUSE``: unset or ``1`` all, ``0`` none, or a
+comma list of ``quant``, ``split_sum``, ``residual``) only remove kernel launches; with any
+of them on or off the results are the same bits.
 
 ``import triton`` happens only when CUDA is available or ``TRITON_INTERPRET=1`` (the
 interpreter runs the same kernels on CPU tensors, which is how the tests exercise them
@@ -76,6 +86,58 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 
 
+FUSIONS = ("quant", "split_sum", "residual")
+
+
+def fusions() -> frozenset[str]:
+    """Decode fusions that are on, from ``LODESTAR_FUSE`` (read at each call, so one process
+    can capture or time both paths): unset or ``1`` all of ``FUSIONS``, ``0`` none, else a
+    comma list of their names. ``quant``: RMSNorm and the gated activation also emit the
+    quantized x of the projection they feed; ``split_sum``: K splits are added inside the
+    matrix-vector kernel; ``residual``: a block's last residual add runs inside the next
+    RMSNorm."""
+    env = os.environ.get("LODESTAR_FUSE", "1").strip()
+    if env in ("", "1"):
+        return frozenset(FUSIONS)
+    if env == "0":
+        return frozenset()
+    names = frozenset(n.strip() for n in env.split(",") if n.strip())
+    unknown = names - set(FUSIONS)
+    if unknown:
+        raise ValueError(f"LODESTAR_FUSE names {', '.join(sorted(unknown))}; use 0, 1 or a comma list of "
+                         f"{', '.join(FUSIONS)}")
+    return names
+
+
+@dataclass
+class QuantizedRows:
+    """bf16 rows ``x [M, K]`` and ``quantize_x(x)``, made by a kernel that wrote both at once
+    so that the projection skips its own quantization."""
+
+    x: torch.Tensor
+    words: torch.Tensor     # int32 [M, K/32, 2, 8]
+    d1: torch.Tensor        # fp32 [M, K/32]
+    sums: torch.Tensor      # fp32 [M, K/32, 2]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @staticmethod
+    def empty(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Output buffers (words, d1, sums) for ``m`` rows of ``k`` features."""
+        g = k // GROUP
+        return (torch.empty(m, g, 2, 8, device=device, dtype=torch.int32),
+                torch.empty(m, g, device=device, dtype=torch.float32),
+                torch.empty(m, g, 2, device=device, dtype=torch.float32))
+
+
+def quantizable(rows: int, k: int) -> bool:
+    """Rows of ``k`` features that the matrix-vector kernel would quantize (fused producers
+    quantize only these)."""
+    return 0 < rows <= SMALL_M_MAX and k % GROUP == 0
+
+
 @dataclass
 class PackedWeight:
     """A quantized [N, K] weight in the GPU layout described in the module docstring."""
@@ -89,6 +151,8 @@ class PackedWeight:
     dmin: torch.Tensor | None = None
     sc: torch.Tensor | None = None
     m: torch.Tensor | None = None
+    # int32 arrival counter per output tile of a K-split product (all 0 between launches)
+    tile_counters: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -281,36 +345,59 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """
     M, K = x.shape
     G = K // GROUP
-    words = torch.empty(M, G, 2, 8, device=x.device, dtype=torch.int32)
-    d1 = torch.empty(M, G, device=x.device, dtype=torch.float32)
-    sums = torch.empty(M, G, 2, device=x.device, dtype=torch.float32)
+    words, d1, sums = QuantizedRows.empty(M, K, x.device)
     gb = 16
     _quant_x_kernel[(M, -(-G // gb))](x, words, d1, sums, x.stride(0), G, GB=gb, num_warps=4)
     return words, d1, sums
 
 
-def quant_matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None,
+def reserve_tile_counters(pw: PackedWeight, config: GemvConfig | None = None) -> None:
+    """Allocate ``pw``'s tile counters for up to SMALL_M_MAX rows now (before any CUDA-graph
+    capture) if its products split K."""
+    cfg = config or gemv_config(pw.n, pw.k, pw.device)
+    if cfg.split_k > 1:
+        _tile_counters(pw, SMALL_M_MAX * -(-pw.n // cfg.block_n))
+
+
+def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
+    c = pw.tile_counters
+    if c is None or c.numel() < tiles:
+        c = pw.tile_counters = torch.zeros(tiles, device=pw.device, dtype=torch.int32)
+    return c
+
+
+def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                  config: GemvConfig | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
 
-    ``config`` replaces ``gemv_config(N, K)`` (tests and tuning)."""
+    ``x`` may come quantized already (``QuantizedRows``). ``config`` replaces
+    ``gemv_config(N, K)`` (tests and tuning)."""
     M, K = x.shape
     if K != pw.k:
         raise ValueError(f"x has {K} features, weight expects {pw.k}")
-    out_dtype = out_dtype or x.dtype
-    x = x.to(torch.bfloat16).contiguous()
-    cfg = config or gemv_config(pw.n, pw.k, x.device)
+    if isinstance(x, QuantizedRows):
+        out_dtype = out_dtype or x.x.dtype
+        words, d1, sums = x.words, x.d1, x.sums
+    else:
+        out_dtype = out_dtype or x.dtype
+        words, d1, sums = quantize_x(x.to(torch.bfloat16).contiguous())
+    device = words.device
+    cfg = config or gemv_config(pw.n, pw.k, device)
     groups = pw.k // GROUP
     per_split = -(-groups // cfg.split_k)
-    words, d1, sums = quantize_x(x)
-    grid = (M, -(-pw.n // cfg.block_n), cfg.split_k)
-    out = torch.empty(M, pw.n, device=x.device, dtype=out_dtype)
-    part = out if cfg.split_k == 1 else torch.empty(cfg.split_k, M, pw.n, device=x.device, dtype=torch.float32)
+    n_blocks = -(-pw.n // cfg.block_n)
+    grid = (M, n_blocks, cfg.split_k)
+    out = torch.empty(M, pw.n, device=device, dtype=out_dtype)
+    part = out if cfg.split_k == 1 else torch.empty(cfg.split_k, M, pw.n, device=device, dtype=torch.float32)
+    fused_sum = cfg.split_k > 1 and "split_sum" in fusions()
+    # sized for SMALL_M_MAX rows at once, so that later calls with more rows reuse it
+    counters = _tile_counters(pw, max(M, SMALL_M_MAX) * n_blocks) if fused_sum else d1   # d1: never read
     codes = pw.codes.view(torch.int32)
-    _gemv_kernel[grid](words, d1, sums, part, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
+    _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                        K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
-                       GROUPS_PER_SPLIT=per_split, ASM=not interpreted(), num_warps=cfg.num_warps)
-    if cfg.split_k > 1:
+                       GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
+                       ASM=not interpreted(), num_warps=cfg.num_warps)
+    if cfg.split_k > 1 and not fused_sum:
         total = M * pw.n
         _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4)
     return out
@@ -331,7 +418,7 @@ def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> 
 def matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for any number of rows: fused kernel for few rows, dequantize + cuBLAS else.
     The result is in ``out_dtype`` (default: x's dtype)."""
-    if x.shape[0] <= SMALL_M_MAX:
+    if isinstance(x, QuantizedRows) or x.shape[0] <= SMALL_M_MAX:
         return quant_matmul(x, pw, out_dtype)
     return F.linear(x.to(torch.bfloat16), dequantize_packed(pw, torch.bfloat16)).to(out_dtype or x.dtype)
 
@@ -411,36 +498,55 @@ if triton_enabled():
         return r
 
     @triton.jit
+    def _quant_groups(x, GB: tl.constexpr):
+        """fp32 ``x [GB, 32]`` (one 32-element group a row) -> (term 1 words [GB, 8], term 2
+        words [GB, 8], d1 [GB], sum of elements 0..15 [GB], sum of 16..31 [GB]).
+
+        Element-wise steps and an exact max and integer packing, then half sums in a fixed
+        pairwise order (adjacent pairs, then pairs of pairs...), so the bits do not depend on
+        the register layout of whichever kernel calls this."""
+        amax = tl.max(tl.abs(x), axis=1)                                   # [GB]
+        d1 = amax / 127.0
+        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+        q1 = tl.floor(x * inv[:, None] + 0.5)
+        rest = x - q1 * d1[:, None]
+        q2 = tl.minimum(tl.maximum(tl.floor(rest * (inv * 254.0)[:, None] + 0.5), -127.0), 127.0)
+        shift = (tl.arange(0, 4) * 8)[None, None, :]
+        # bytes never overlap, so the integer sums are exact ORs
+        w1 = tl.sum(tl.reshape(q1.to(tl.int32) & 255, (GB, 8, 4)) << shift, axis=2)
+        w2 = tl.sum(tl.reshape(q2.to(tl.int32) & 255, (GB, 8, 4)) << shift, axis=2)
+        a, b = tl.split(tl.reshape(x, (GB, 16, 2)))
+        s16 = a + b
+        a, b = tl.split(tl.reshape(s16, (GB, 8, 2)))
+        s8 = a + b
+        a, b = tl.split(tl.reshape(s8, (GB, 4, 2)))
+        s4 = a + b
+        a, b = tl.split(tl.reshape(s4, (GB, 2, 2)))
+        s2 = a + b                                                         # [GB, 2]: the two halves
+        sa, sb = tl.split(s2)
+        return w1, w2, d1, sa, sb
+
+    @triton.jit
+    def _store_quant_groups(words_ptr, d1_ptr, sums_ptr, row, mask_g, w1, w2, d1, sa, sb):
+        """Store ``_quant_groups``' output for groups ``row`` (flat index m * G + g) [GB]."""
+        wo = row[:, None] * 16 + tl.arange(0, 8)[None, :]
+        tl.store(words_ptr + wo, w1, mask=mask_g[:, None])
+        tl.store(words_ptr + wo + 8, w2, mask=mask_g[:, None])
+        tl.store(d1_ptr + row, d1, mask=mask_g)
+        tl.store(sums_ptr + row * 2, sa, mask=mask_g)
+        tl.store(sums_ptr + row * 2 + 1, sb, mask=mask_g)
+
+    @triton.jit
     def _quant_x_kernel(x_ptr, words_ptr, d1_ptr, sums_ptr, stride_xm, G, GB: tl.constexpr):
         """One row of x, GB groups of 32: two int8 terms packed in words, d1, half sums."""
         pid_m = tl.program_id(0)
         g = tl.program_id(1) * GB + tl.arange(0, GB)                       # [GB]
         mask_g = g < G
-        w = tl.arange(0, 8)
-        j = tl.arange(0, 4)
-        offs = g[:, None, None] * 32 + w[None, :, None] * 4 + j[None, None, :]   # [GB, 8, 4]
-        x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs, mask=mask_g[:, None, None], other=0.0
+        offs = g[:, None] * 32 + tl.arange(0, 32)[None, :]                  # [GB, 32]
+        x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + offs, mask=mask_g[:, None], other=0.0
                     ).to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)                  # [GB]
-        d1 = amax / 127.0
-        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-        q1 = tl.floor(x * inv[:, None, None] + 0.5)
-        rest = x - q1 * d1[:, None, None]
-        q2 = tl.minimum(tl.maximum(tl.floor(rest * (inv * 254.0)[:, None, None] + 0.5), -127.0), 127.0)
-        shift = (j * 8)[None, None, :]
-        w1 = tl.sum((q1.to(tl.int32) & 255) << shift, axis=2)             # [GB, 8]: bytes never overlap
-        w2 = tl.sum((q2.to(tl.int32) & 255) << shift, axis=2)
-        row = pid_m.to(tl.int64) * G + g                                   # [GB]
-        wo = row[:, None] * 16 + w[None, :]
-        tl.store(words_ptr + wo, w1, mask=mask_g[:, None])
-        tl.store(words_ptr + wo + 8, w2, mask=mask_g[:, None])
-        tl.store(d1_ptr + row, d1, mask=mask_g)
-        half = tl.sum(x, axis=2)                                           # [GB, 8]
-        h = (w // 4)[None, :]
-        sa = tl.sum(tl.where(h == 0, half, 0.0), axis=1)
-        sb = tl.sum(tl.where(h == 1, half, 0.0), axis=1)
-        tl.store(sums_ptr + row * 2, sa, mask=mask_g)
-        tl.store(sums_ptr + row * 2 + 1, sb, mask=mask_g)
+        w1, w2, d1, sa, sb = _quant_groups(x, GB)
+        _store_quant_groups(words_ptr, d1_ptr, sums_ptr, pid_m.to(tl.int64) * G + g, mask_g, w1, w2, d1, sa, sb)
 
     @triton.jit
     def _spread4(v, SHIFT: tl.constexpr):
@@ -465,13 +571,19 @@ if triton_enabled():
         return word, word
 
     @triton.jit
-    def _gemv_kernel(xw_ptr, d1_ptr, xsum_ptr, out_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                     N, stride_om, stride_split,
+    def _gemv_kernel(xw_ptr, d1_ptr, xsum_ptr, part_ptr, out_ptr, count_ptr, codes_ptr, high_ptr, d_ptr,
+                     dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
                      K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
-                     GROUPS_PER_SPLIT: tl.constexpr, ASM: tl.constexpr):
-        """One row of x (quantized by ``_quant_x_kernel``) against BLOCK_N weight rows over one
+                     GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
+                     ASM: tl.constexpr):
+        """One row of x (quantized by ``_quant_groups``) against BLOCK_N weight rows over one
         K split: per group, integer dot products of the codes with both x terms (dp4a),
         then ``scale * (d1*i1 + d2*i2 - bias*sum(x)) + offset * sum(x)`` in fp32.
+
+        SPLIT == 1 stores to ``out``; else each program stores its fp32 partial in
+        ``part[pid_s]``, and with LAST_SUMS the last of the tile's SPLIT programs to arrive
+        adds ``part[0] + part[1] + ...`` in that order into ``out`` (as ``_split_sum_kernel``)
+        and puts the tile's counter back to 0.
         """
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -549,8 +661,25 @@ if triton_enabled():
                     else:
                         acc += scale * dot
         y = tl.sum(acc, axis=1)                                     # [BN]
-        out_ptrs = out_ptr + pid_s * stride_split + pid_m.to(tl.int64) * stride_om + offs_n
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+        row_offs = pid_m.to(tl.int64) * stride_om + offs_n
+        if SPLIT == 1:
+            tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            tl.store(part_ptr + pid_s * stride_split + row_offs, y, mask=mask_n)
+            if LAST_SUMS:
+                # Every thread's partial is stored before the counter moves (barrier, then a
+                # release); the last arrival reads the others' partials from L2 after its acquire.
+                tl.debug_barrier()
+                tile = pid_m * tl.num_programs(1) + pid_n
+                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT - 1:
+                    tl.debug_barrier()
+                    total = tl.load(part_ptr + row_offs, mask=mask_n, other=0.0, cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLIT):
+                        total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):

@@ -7,8 +7,10 @@ weight type (mode ``packed``)       module
 ==================================  ===============================================
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K  ``CudaQuantLinear``: GGUF blocks repacked once
                                     (same bits, ``triton_quant.PackedWeight``); up to
-                                    64 rows run the fused Triton kernel, more rows
-                                    dequantize to bf16 and run one cuBLAS matmul
+                                    64 rows run the fused Triton kernel (x may come
+                                    quantized already: ``QuantizedRows`` from a fused
+                                    RMSNorm or activation), more rows dequantize to
+                                    bf16 and run one cuBLAS matmul
 F16, BF16, F32                      ``CudaDenseLinear`` over a bf16 copy
 Q5_0, Q5_1, Q2_K, Q3_K              ``CudaDenseLinear`` dequantized to bf16 at load
 ==================================  ===============================================
@@ -66,19 +68,28 @@ class CudaQuantLinear(nn.Module):
         self.qtype = T(int(qtype))
         self.in_features, self.out_features = in_features, out_features
         self.weight = tq.pack(self.qtype, data.to(device), out_features, in_features)
+        tq.reserve_tile_counters(self.weight)       # before any CUDA-graph capture
         self.out_dtype: torch.dtype | None = None   # None: x's dtype; the head sets float32
 
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
+        """``x``: a tensor [..., in_features], or ``QuantizedRows`` [rows, in_features]."""
+        if isinstance(x, self._tq.QuantizedRows):
+            return self._tq.quant_matmul(x, self.weight, self.out_dtype)
         x2 = x.reshape(-1, self.in_features)
         y = self._tq.matmul(x2, self.weight, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, cuda"
+
+
+def takes_quantized_input(module: object) -> bool:
+    """Whether ``module`` accepts ``QuantizedRows`` (a fused producer may quantize for it)."""
+    return isinstance(module, CudaQuantLinear)
 
 
 class CudaDenseLinear(nn.Module):

@@ -122,8 +122,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, quantize: bool = False) -> torch.Tensor:
+        """``quantize`` (GPU): the activation kernel also quantizes its output for ``down``."""
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
+        if quantize:
+            from lodestar.kernels import triton_fused
+            return self.down(triton_fused.silu_mul(gate, up, quantize=True))
         return self.down(silu_mul(gate, up))
 
 
@@ -138,6 +142,26 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         h, y = self.ffn_norm.add_norm(x, self.attn(self.attn_norm(x), positions, batch))
         return h + self.mlp(y)
+
+    def forward_gpu(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                    batch: AttentionBatch, fuse: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on the GPU with the decode fusions in ``fuse`` (``triton_quant.fusions``).
+
+        ``delta`` is the previous block's MLP output not yet added to ``x`` (None if it was);
+        the first norm adds it. Returns ``(h, mlp_out)``: the block's output is their sum, which
+        the caller adds, or leaves to the next norm. Every fusion gives the same bits."""
+        from lodestar.kernels.triton_quant import quantizable
+        from lodestar.layers.cuda_linear import takes_quantized_input
+        quant = "quant" in fuse and x.dtype == torch.bfloat16
+        q_attn = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.attn.qkv)
+        q_mlp = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.mlp.gate_up)
+        q_down = quant and quantizable(x.shape[0], self.mlp.ffn_dim) and takes_quantized_input(self.mlp.down)
+        if delta is None:
+            xn = self.attn_norm(x, quantize=q_attn)
+        else:
+            x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn)
+        h, y = self.ffn_norm.add_norm(x, self.attn(xn, positions, batch), quantize=q_mlp)
+        return h, self.mlp(y, quantize=q_down)
 
 
 class LlamaModel(nn.Module):
@@ -161,9 +185,21 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         h = self.embed(input_ids)
+        if h.is_cuda:
+            return self._forward_gpu(h, positions, batch)
         for blk in self.layers:
             h = blk(h, positions, batch)
         return self.norm(h)
+
+    def _forward_gpu(self, h: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        from lodestar.kernels.triton_quant import fusions
+        fuse = fusions()
+        delta = None
+        for blk in self.layers:
+            h, delta = blk.forward_gpu(h, delta, positions, batch, fuse)
+            if "residual" not in fuse:
+                h, delta = h + delta, None
+        return self.norm(h) if delta is None else self.norm.add_norm(h, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
