@@ -99,6 +99,7 @@ stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o fault
   tests/distributed/test_tensor_parallel_cuda.py
 bench env 25
 bench fuse 130
+bench densegemv 100
 bench tp 150
 bench tp70 120
 bench gemv 100

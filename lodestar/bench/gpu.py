@@ -26,6 +26,7 @@ Stages:
   fuse    decode fusions off vs on (LODESTAR_FUSE=0/1): same tokens and log-probabilities,
           decode tok/s (8B Q4_0 and Q4_K, SmolLM2 Q4_0)
   dense   bf16 matrix-vector at M = 1: cuBLAS vs the Triton kernel (tiling sweep)
+  densegemv  decode with bf16 weights, the layers' Triton matrix-vector kernel off vs on
   tp      tensor parallelism (needs 2 GPUs): Llama-3.1-8B bf16 single-stream decode and
           batch 32 with --tensor-parallel 1 and 2 (symmetric-memory and NCCL all-reduce)
           in the same run
@@ -741,6 +742,31 @@ def stage_fuse(r: Results) -> None:
         r.cell(f"{geometry}-{qtype}", cell, 30)
 
 
+def stage_densegemv(r: Results) -> None:
+    """Decode with bf16 weights, the layers' Triton matrix-vector kernel off vs on
+    (``LODESTAR_DENSE_GEMV=0/1``, one engine each): decode tok/s, and whether greedy tokens
+    agree (the two sum in different orders)."""
+    from lodestar.engine.sampling import SamplingParams
+    for geometry in ("smollm2-135m", "llama-3.1-8b"):
+        def cell(geometry=geometry):
+            res = {}
+            for flag in ("0", "1"):
+                os.environ["LODESTAR_DENSE_GEMV"] = flag
+                engine, _, _ = synthetic_engine(geometry, "F16", max_len=1024, kv_tokens=4096)
+                ps = prompts(2, 40, engine.loaded.config.vocab_size)
+                comp = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+                timed_generate(engine, [ps[0]], 16)
+                runs = [timed_generate(engine, [ps[0]], 256)["decode_tok_s"] for _ in range(RUNS)]
+                res[flag] = {"tokens": [c.token_ids for c in comp], "decode_tok_s": stat(runs)}
+                del engine, comp
+                release()
+            os.environ.pop("LODESTAR_DENSE_GEMV", None)
+            return {"same_tokens": res["0"]["tokens"] == res["1"]["tokens"],
+                    "decode_tok_s_cublas": res["0"]["decode_tok_s"], "decode_tok_s_triton": res["1"]["decode_tok_s"],
+                    "triton_over_cublas": round(res["1"]["decode_tok_s"]["median"] / res["0"]["decode_tok_s"]["median"], 3)}
+        r.cell(geometry, cell, 30)
+
+
 def stage_dense(r: Results) -> None:
     """Dense bf16 matrix-vector product at M = 1: cuBLAS (F.linear, what the layers run)
     against the Triton kernel of ``kernels.triton_dense`` over a small tiling sweep."""
@@ -923,7 +949,8 @@ def stage_tp70(r: Results) -> None:
 
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
           "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
-          "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense}
+          "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
+          "densegemv": stage_densegemv}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from gguf.constants import GGMLQuantizationType
 from torch import nn
 
 from lodestar.kernels import dequant as dq
+from lodestar.kernels import triton_dense as _td   # imports without Triton; runs only on CUDA
 
 T = GGMLQuantizationType
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -99,6 +100,7 @@ class CudaDenseLinear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.gemv_config = _td.config_for(self.out_features, self.in_features)
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +108,12 @@ class CudaDenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
+            if (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() <= _td.MAX_ROWS * self.in_features
+                    and _td.enabled()):
+                # decode: a Triton matrix-vector kernel (cuBLAS's small-M kernels cost ~2x)
+                x2 = x.reshape(-1, self.in_features)
+                y = _td.dense_gemv(x2, self.weight, config=self.gemv_config)
+                return y.view(*x.shape[:-1], self.out_features)
             return F.linear(x, self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 

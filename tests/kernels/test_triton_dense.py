@@ -30,3 +30,20 @@ def test_rows_do_not_depend_on_the_batch():
     whole = td.dense_gemv(x, w, torch.float32, cfg)
     for i in range(5):
         assert torch.equal(td.dense_gemv(x[i:i + 1], w, torch.float32, cfg)[0], whole[i])
+
+
+def test_the_layer_uses_it_for_few_rows_and_cublas_beyond(monkeypatch):
+    dev = kernel_device()
+    if dev != "cuda":
+        pytest.skip("CudaDenseLinear runs the kernel on CUDA tensors only")
+    from lodestar.layers.cuda_linear import CudaDenseLinear
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(300, 576, generator=g) * 0.05).to(torch.bfloat16).to(dev)
+    layer = CudaDenseLinear(w)
+    x = torch.randn(6, 576, generator=g).to(torch.bfloat16).to(dev)
+    few = layer(x[:3])
+    assert torch.equal(few, td.dense_gemv(x[:3], w, config=layer.gemv_config))
+    assert torch.equal(layer(x[:1])[0], few[0])                  # batch-invariant up to MAX_ROWS rows
+    torch.testing.assert_close(layer(x).float(), td.dense_gemv_ref(x, w), rtol=2e-2, atol=2e-2)
+    monkeypatch.setenv("LODESTAR_DENSE_GEMV", "0")
+    assert torch.equal(layer(x[:3]), torch.nn.functional.linear(x[:3], w))
