@@ -6,7 +6,8 @@ fp32 per (output row, lane) and are summed once at the end; K splits write fp32 
 summed in split order by a second kernel. Every row of x is computed the same way
 whatever the number of rows, so results do not depend on the batch.
 
-``CudaDenseLinear`` runs it for up to ``MAX_ROWS`` rows of bf16 x (decode), cuBLAS above:
+``CudaDenseLinear`` runs it for single-row bf16 x (``MAX_ROWS``: one-stream decode),
+cuBLAS above:
 on the H200 it took 1.97-2.37 us against cuBLAS's 3.26-4.55 us on SmolLM2's matrices and
 matched cuBLAS on the 8B MLP's (``lodestar.bench.gpu dense``). ``LODESTAR_DENSE_GEMV=0``
 turns it off.
@@ -33,7 +34,9 @@ class DenseGemvConfig:
     warps: int = 4
 
 
-MAX_ROWS = 4      # rows of x up to which the layers use this kernel (each row reads the weights)
+# Rows of x up to which the layers use this kernel. Each row streams the weights again, so
+# at 2-4 rows an 8B model decoded slower than with cuBLAS (batch 4: 429 vs 730 tok/s).
+MAX_ROWS = 1
 
 
 def enabled() -> bool:

@@ -110,7 +110,7 @@ class CudaDenseLinear(nn.Module):
         if x.dtype == self.weight.dtype:
             if (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() <= _td.MAX_ROWS * self.in_features
                     and _td.enabled()):
-                # decode: a Triton matrix-vector kernel (cuBLAS's small-M kernels cost ~2x)
+                # one-row decode: a Triton matrix-vector kernel (cuBLAS's costs ~2x on small matrices)
                 x2 = x.reshape(-1, self.in_features)
                 y = _td.dense_gemv(x2, self.weight, config=self.gemv_config)
                 return y.view(*x.shape[:-1], self.out_features)

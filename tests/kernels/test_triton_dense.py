@@ -41,9 +41,10 @@ def test_the_layer_uses_it_for_few_rows_and_cublas_beyond(monkeypatch):
     w = (torch.randn(300, 576, generator=g) * 0.05).to(torch.bfloat16).to(dev)
     layer = CudaDenseLinear(w)
     x = torch.randn(6, 576, generator=g).to(torch.bfloat16).to(dev)
-    few = layer(x[:3])
-    assert torch.equal(few, td.dense_gemv(x[:3], w, config=layer.gemv_config))
-    assert torch.equal(layer(x[:1])[0], few[0])                  # batch-invariant up to MAX_ROWS rows
+    one = x[:td.MAX_ROWS]
+    assert torch.equal(layer(one), td.dense_gemv(one, w, config=layer.gemv_config))
+    rows = x[:td.MAX_ROWS + 1]
+    assert torch.equal(layer(rows), torch.nn.functional.linear(rows, w))     # cuBLAS beyond MAX_ROWS
     torch.testing.assert_close(layer(x).float(), td.dense_gemv_ref(x, w), rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("LODESTAR_DENSE_GEMV", "0")
-    assert torch.equal(layer(x[:3]), torch.nn.functional.linear(x[:3], w))
+    assert torch.equal(layer(one), torch.nn.functional.linear(one, w))
