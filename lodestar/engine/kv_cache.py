@@ -5,11 +5,18 @@ its parent block (``hash(parent, tokens, model fingerprint)``). A new request lo
 prompt's hash chain up and reuses the longest run of cached blocks. Blocks whose last
 user finished keep their contents and hash and stay findable until the pool needs them
 back; then the least recently used are evicted first.
+
+Empty blocks are handed out in runs of consecutive ids where possible: a sequence that
+grows asks for the blocks right after its last one, and a new sequence starts halfway
+into the longest run of empty blocks, leaving room for the sequence before it to grow.
+A sequence whose blocks are consecutive reads its context on the CPU as one slice of
+the KV tensors (``AttentionBatch._seq_plans``) instead of a gather. Only speed depends
+on the placement: attention gives the same bits either way.
 """
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -48,7 +55,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
-        self._free: deque[int] = deque(range(num_blocks))      # empty blocks
+        self._empty = np.ones(num_blocks, dtype=bool)          # blocks with no contents
+        self._num_empty = num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, LRU first
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
@@ -58,7 +66,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now (empty or evictable)."""
-        return len(self._free) + len(self._evictable)
+        return self._num_empty + len(self._evictable)
 
     @property
     def num_used(self) -> int:
@@ -67,19 +75,52 @@ class BlockPool:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, n: int = 1) -> list[int]:
+    def allocate(self, n: int = 1, after: int | None = None) -> list[int]:
+        """``n`` blocks with one reference each, consecutive where the empty blocks allow.
+
+        ``after``: the last block the caller already holds (a growing sequence); the
+        blocks right after it are taken first while they are empty. Cached blocks are
+        evicted (least recently used first) only once no empty block is left.
+        """
         if n > self.num_free:
             raise OutOfBlocksError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
-        out = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:
-                b, _ = self._evictable.popitem(last=False)
-                self._uncache(b)
-            self.ref_counts[b] = 1
+        out: list[int] = []
+        if after is not None:
+            b = after + 1
+            while len(out) < n and b < self.num_blocks and self._empty[b]:
+                self._take_empty(b)
+                out.append(b)
+                b += 1
+        while len(out) < n and self._num_empty:
+            start, count = self._place(n - len(out))
+            for b in range(start, start + count):
+                self._take_empty(b)
+                out.append(b)
+        while len(out) < n:
+            b, _ = self._evictable.popitem(last=False)
+            self._uncache(b)
             out.append(b)
+        for b in out:
+            self.ref_counts[b] = 1
         return out
+
+    def _take_empty(self, b: int) -> None:
+        self._empty[b] = False
+        self._num_empty -= 1
+
+    def _place(self, n: int) -> tuple[int, int]:
+        """Where ``n`` blocks for a new run go: (first block, how many fit there, at most n).
+
+        The longest run of empty blocks (the first such); if a held block precedes it, the
+        new run starts halfway into the spare room, so that both neighbours can grow.
+        """
+        edges = np.flatnonzero(np.diff(self._empty, prepend=False, append=False))
+        starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
+        i = int(np.argmax(lengths))
+        start, length = int(starts[i]), int(lengths[i])
+        if length > n and start > 0 and self.ref_counts[start - 1] > 0:
+            start += (length - n) // 2
+        return start, min(n, length)
 
     def _uncache(self, b: int) -> None:
         h = self.block_hashes[b]
@@ -100,7 +141,8 @@ class BlockPool:
                 if self.block_hashes[b] is not None:
                     self._evictable[b] = None
                 else:
-                    self._free.append(b)
+                    self._empty[b] = True
+                    self._num_empty += 1
 
     # -- prefix cache -------------------------------------------------------------
     def register(self, block: int, h: bytes) -> None:
@@ -133,7 +175,8 @@ class BlockPool:
         for b in list(self._evictable):
             self._evictable.pop(b)
             self._uncache(b)
-            self._free.append(b)
+            self._empty[b] = True
+            self._num_empty += 1
 
 
 def allocate_kv_tensors(attention_layers, num_blocks: int, block_size: int,

@@ -249,7 +249,8 @@ class LLMEngine:
                 return False
             self._preempt(max(holders, key=lambda s: s.seq_id))
         if need > 0:
-            seq.block_table.extend(self.pool.allocate(need))
+            tail = seq.block_table[-1] if seq.block_table else None   # grow in place where free
+            seq.block_table.extend(self.pool.allocate(need, after=tail))
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -3,9 +3,10 @@
 Every forward sees one flattened batch: the new tokens of all sequences laid end to end
 (``query_start_loc`` marks where each sequence's tokens begin). Keys and values live in a
 pool of fixed-size blocks; ``slot_mapping`` says where each new token's K/V goes and
-``block_tables`` says which blocks hold each sequence's context. The CPU path gathers each
-sequence's context into a padded batch once per step (indices shared by all layers) and
-runs one masked SDPA per layer: no Python loop over sequences.
+``block_tables`` says which blocks hold each sequence's context. The CPU path runs one SDPA
+per sequence (so a sequence's result does not depend on the batch around it) over its
+context: a slice of the KV tensors when its blocks are consecutive (``BlockPool`` hands
+them out that way where it can), else a gather of its blocks. Both give the same bits.
 
 On a CUDA device the batch also carries ``gpu`` (``GpuAttentionMeta``: device copies of
 the slots, block tables and lengths) and attention goes to
