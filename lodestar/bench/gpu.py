@@ -216,6 +216,36 @@ def batch_cell(engine, size: int, prompt_len: int = 128, new: int = 256) -> dict
             "per_stream_tok_s": round(statistics.median(runs) / size, 1)}
 
 
+def context_decode(engine, ctx: int, new: int) -> float:
+    """Decode tok/s of one sequence whose cache already holds ``ctx - 1`` (zero) entries."""
+    from lodestar.engine.sequence import Sequence
+    runner, pool = engine.runner, engine.pool
+    seq = Sequence(10**6 + ctx, prompts(1, ctx, engine.loaded.config.vocab_size)[0], None)
+    runner.ensure_blocks(seq, ctx)
+    seq.num_computed = ctx - 1
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(new):
+        logits = runner.run([seq], [1])
+        seq.output_ids.append(int(logits[0].argmax()))
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    pool.free(seq.block_table)
+    return new / dt
+
+
+def context_cell(engine, ctx: int, new: int, read: int, bw: float | None) -> dict:
+    """Decode at context ``ctx``: warm-up, then ``RUNS`` timed runs of ``new`` tokens."""
+    context_decode(engine, ctx, min(new, 8))
+    runs = [context_decode(engine, ctx, new) for _ in range(RUNS)]
+    out = {"context": ctx, "new_tokens": new, "decode_tok_s": stat(runs),
+           "ms_per_token": round(1e3 / statistics.median(runs), 3)}
+    if bw:
+        roof = bw / (read + kv_bytes_per_token(engine) * (ctx + new // 2))
+        out.update(roofline_tok_s=round(roof, 1), fraction_of_roofline=round(statistics.median(runs) / roof, 3))
+    return out
+
+
 def release() -> None:
     """Return the memory of models and engines no longer referenced."""
     gc.collect()
@@ -315,7 +345,6 @@ def stage_8b_q4_0(r: Results) -> None:
 
 
 def stage_sweep(r: Results, csv_path: Path | None, svg_path: Path | None) -> None:
-    from lodestar.engine.sequence import Sequence
     contexts = (1024, 2048, 4096, 8192, 16384, 32768)
     new = 64
     max_len = contexts[-1] + new + 16
@@ -331,35 +360,12 @@ def stage_sweep(r: Results, csv_path: Path | None, svg_path: Path | None) -> Non
     if "engine" not in state:
         return
     engine = state["engine"]
-    runner, pool = engine.runner, engine.pool
     read = read_bytes_per_token(engine.loaded.model)
-    kvb = kv_bytes_per_token(engine)
     bw = bandwidth_from(r)
     rows = []
-
-    def decode_at(ctx: int) -> float:
-        seq = Sequence(10**6 + ctx, prompts(1, ctx, engine.loaded.config.vocab_size)[0], None)
-        runner.ensure_blocks(seq, ctx)
-        seq.num_computed = ctx - 1      # the cache holds ctx - 1 (zero) entries: no prefill needed
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(new):
-            logits = runner.run([seq], [1])
-            seq.output_ids.append(int(logits[0].argmax()))
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        pool.free(seq.block_table)
-        return new / dt
-
     for ctx in contexts:
         def cell(ctx=ctx):
-            decode_at(ctx)
-            runs = [decode_at(ctx) for _ in range(RUNS)]
-            out = {"context": ctx, "new_tokens": new, "decode_tok_s": stat(runs),
-                   "ms_per_token": round(1e3 / statistics.median(runs), 3)}
-            if bw:
-                roof = bw / (read + kvb * (ctx + new // 2))
-                out.update(roofline_tok_s=round(roof, 1), fraction_of_roofline=round(statistics.median(runs) / roof, 3))
+            out = context_cell(engine, ctx, new, read, bw)
             rows.append(out)
             return out
         r.cell(f"llama-3.1-8b-Q4_K/context_{ctx}", cell, 8)
@@ -371,7 +377,7 @@ def stage_sweep(r: Results, csv_path: Path | None, svg_path: Path | None) -> Non
     if svg_path and rows:
         svg_path.write_text(svg_plot(rows))
     state.clear()
-    del engine, runner
+    del engine
     release()
 
 
@@ -839,24 +845,6 @@ def tp_engine(spec: str, world: int, max_len: int, kv_tokens: int, max_seqs: int
     return LLMEngine(loaded, cfg), load_s
 
 
-def context_decode(engine, ctx: int, new: int) -> float:
-    """Decode tok/s of one sequence whose cache already holds ``ctx - 1`` (zero) entries."""
-    from lodestar.engine.sequence import Sequence
-    runner, pool = engine.runner, engine.pool
-    seq = Sequence(10**6 + ctx, prompts(1, ctx, engine.loaded.config.vocab_size)[0], None)
-    runner.ensure_blocks(seq, ctx)
-    seq.num_computed = ctx - 1
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(new):
-        logits = runner.run([seq], [1])
-        seq.output_ids.append(int(logits[0].argmax()))
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    pool.free(seq.block_table)
-    return new / dt
-
-
 def stage_tp(r: Results) -> None:
     n = torch.cuda.device_count()
     r.cell("devices", lambda: {"count": n, "names": [torch.cuda.get_device_name(i) for i in range(n)],
@@ -927,18 +915,9 @@ def stage_tp70(r: Results) -> None:
     engine = state["engine"]
     r.cell(f"{key}/decode", lambda: {**decode_cell(engine, state["read"], bw, new=64),
                                      "gpu_mem_used_gb": gpu_memory_used_gb()}, 30)
-    kvb = kv_bytes_per_token(engine)
     for ctx in contexts:
         def cell(ctx=ctx):
-            context_decode(engine, ctx, 8)
-            runs = [context_decode(engine, ctx, new) for _ in range(RUNS)]
-            out = {"context": ctx, "new_tokens": new, "decode_tok_s": stat(runs),
-                   "kv_bytes_per_token_rank0": kvb, "gpu_mem_used_gb": gpu_memory_used_gb()}
-            if bw:
-                roof = bw / (state["read"] + kvb * (ctx + new // 2))
-                out.update(roofline_tok_s_per_rank=round(roof, 1),
-                           fraction_of_roofline=round(statistics.median(runs) / roof, 3))
-            return out
+            return {**context_cell(engine, ctx, new, state["read"], bw), "gpu_mem_used_gb": gpu_memory_used_gb()}
         r.cell(f"{key}/context_{ctx}", cell, 15)
     engine.loaded.close()
     state.clear()
