@@ -36,6 +36,32 @@ def test_greedy_equals_argmax():
     assert _tokens(Sampler().sample(logits, states)) == logits.argmax(-1).tolist()
 
 
+def test_plain_greedy_fast_path_matches_the_general_path(monkeypatch):
+    # Greedy rows with nothing to apply take one max-reduction; it must pick exactly the
+    # token the general path (processed copy, argmax) picks, ties included (first index).
+    import lodestar.engine.sampling as sampling
+    logits = _logits(6, seed=3)
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1.0          # an exact tie: first wins
+    logits[2] = torch.full((VOCAB,), -math.inf)
+    logits[2, 7] = 0.0                                             # a single finite logit
+    logits = logits.to(torch.bfloat16).to(torch.float32)           # many near-ties after rounding
+    states = [_state(temperature=0.0) for _ in range(6)]
+    fast = _tokens(Sampler().sample(logits, states))
+    monkeypatch.setattr(sampling, "_plain_greedy", lambda p: False)
+    assert fast == _tokens(Sampler().sample(logits, states)) == logits.argmax(-1).tolist()
+    assert fast[1] == 10 and fast[2] == 7
+
+
+def test_plain_greedy_rows_with_no_token_or_nan_take_the_general_path():
+    dead = _logits(2, seed=4)
+    dead[1] = -math.inf
+    with pytest.raises(ValueError, match=r"no token can be sampled in batch rows \[1\]"):
+        Sampler().sample(dead, [_state(temperature=0.0) for _ in range(2)])
+    nan = _logits(1, seed=5)
+    nan[0, 3] = math.nan          # not every logit dead: the general path samples as before
+    assert _tokens(Sampler().sample(nan, [_state(temperature=0.0)])) == nan.argmax(-1).tolist()
+
+
 def test_greedy_takes_no_random_draw():
     state = _state(temperature=0.0, seed=7)
     before = state.generator.get_state()
