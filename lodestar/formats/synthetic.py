@@ -57,14 +57,15 @@ SPEC_SEED = 1234
 
 def parse_spec(spec) -> tuple[str, str] | None:
     """(geometry, type) of a ``synthetic:<geometry>[:<type>]`` model spec (type defaults to
-    BF16), None for any other spec; ValueError naming the choices for a bad one."""
+    BF16), None for any other spec; ``ModelNotFoundError`` naming the choices for a bad one."""
     text = str(spec) if spec is not None else ""
     if not text.startswith(SPEC_PREFIX):
         return None
     parts = text[len(SPEC_PREFIX):].split(":")
     geometry, qtype = parts[0], (parts[1] if len(parts) > 1 else "BF16").upper()
     if len(parts) > 2 or geometry not in GEOMETRIES or qtype not in QTYPES:
-        raise ValueError(f"--model {text!r}: expected synthetic:<geometry>[:<type>] with geometry one of "
+        from lodestar.formats.catalog import ModelNotFoundError
+        raise ModelNotFoundError(f"--model {text!r}: expected synthetic:<geometry>[:<type>] with geometry one of "
                          f"{', '.join(GEOMETRIES)} and type one of {', '.join(QTYPES)}")
     return geometry, qtype
 

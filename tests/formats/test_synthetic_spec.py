@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lodestar.engine.loader import open_checkpoint
+from lodestar.formats.catalog import ModelNotFoundError
 from lodestar.formats.synthetic import GEOMETRIES, SyntheticCheckpoint, parse_spec
 
 
@@ -13,7 +14,7 @@ def test_parse_spec():
     assert parse_spec("synthetic:smollm2-135m:Q4_K") == ("smollm2-135m", "Q4_K")
     assert parse_spec("model.gguf") is None and parse_spec(None) is None
     for bad in ("synthetic:llama-9b", "synthetic:llama-3.1-8b:Q3_K", "synthetic:llama-3.1-8b:BF16:x"):
-        with pytest.raises(ValueError, match="expected synthetic:<geometry>"):
+        with pytest.raises(ModelNotFoundError, match="expected synthetic:<geometry>"):
             parse_spec(bad)
 
 
