@@ -845,6 +845,15 @@ def tp_engine(spec: str, world: int, max_len: int, kv_tokens: int, max_seqs: int
     return LLMEngine(loaded, cfg), load_s
 
 
+def tp_load(state: dict, spec: str, world: int, max_len: int, kv_tokens: int, max_seqs: int = 64) -> dict:
+    """Load cell of a tensor-parallel model: the engine and its per-rank read bytes go in ``state``."""
+    engine, load_s = tp_engine(spec, world, max_len, kv_tokens, max_seqs)
+    state["engine"] = engine
+    state["read"] = read_bytes_per_token(engine.loaded.model)
+    return {"load_s": round(load_s, 2), "weight_bytes_read_per_token_rank0": state["read"],
+            "allreduce": getattr(engine.runner, "allreduce", None), "gpu_mem_used_gb": gpu_memory_used_gb()}
+
+
 def stage_tp(r: Results) -> None:
     n = torch.cuda.device_count()
     r.cell("devices", lambda: {"count": n, "names": [torch.cuda.get_device_name(i) for i in range(n)],
@@ -864,11 +873,7 @@ def stage_tp(r: Results) -> None:
 
         def load(world=world, allreduce=allreduce):
             os.environ[MODE_ENV] = allreduce      # the workers inherit it
-            engine, load_s = tp_engine("synthetic:llama-3.1-8b:BF16", world, 4096 + 64, 32 * 420)
-            state["engine"] = engine
-            state["read"] = read_bytes_per_token(engine.loaded.model)
-            return {"load_s": round(load_s, 2), "weight_bytes_read_per_token_rank0": state["read"],
-                    "allreduce": getattr(engine.runner, "allreduce", None), "gpu_mem_used_gb": gpu_memory_used_gb()}
+            return tp_load(state, "synthetic:llama-3.1-8b:BF16", world, 4096 + 64, 32 * 420)
 
         r.cell(f"{key}/load", load, 40)
         if "engine" not in state:
@@ -902,14 +907,7 @@ def stage_tp70(r: Results) -> None:
     key, contexts, new = "llama-70b-BF16/tp2", (1024, 32768, 131000), 32
     state = {}
 
-    def load70():
-        engine, load_s = tp_engine("synthetic:llama-70b:BF16", 2, 131072, 131072 + 512, max_seqs=8)
-        state["engine"] = engine
-        state["read"] = read_bytes_per_token(engine.loaded.model)
-        return {"load_s": round(load_s, 2), "weight_bytes_per_rank": state["read"],
-                "allreduce": getattr(engine.runner, "allreduce", None), "gpu_mem_used_gb": gpu_memory_used_gb()}
-
-    r.cell(f"{key}/load", load70, 90)
+    r.cell(f"{key}/load", lambda: tp_load(state, "synthetic:llama-70b:BF16", 2, 131072, 131072 + 512, 8), 90)
     if "engine" not in state:
         return
     engine = state["engine"]
