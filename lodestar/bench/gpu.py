@@ -21,12 +21,15 @@ Stages:
           the same synthetic safetensors folders (SmolLM2, Llama-3.2-1B)
   gemv    quantized matrix-vector kernel on 8B shapes: every type at its default tiling
           (M = 1, 8, 32), then a tiling sweep for Q4_0 / Q4_K at M = 1
-  profile wall time per decode step vs GPU time of its graph replay (host gap) and the
-          per-kernel times of eager decode steps (SmolLM2 F16, 8B Q4_K and Q4_0)
+  profile wall time per decode step (overlapped, and step by step) vs GPU time of its
+          graph replay (host gap) and the per-kernel times of eager decode steps (SmolLM2
+          F16, 8B F16, Q4_K and Q4_0)
   fuse    decode fusions off vs on (LODESTAR_FUSE=0/1): same tokens and log-probabilities,
           decode tok/s (8B Q4_0 and Q4_K, SmolLM2 Q4_0)
   dense   bf16 matrix-vector at M = 1: cuBLAS vs the Triton kernel (tiling sweep)
   densegemv  decode with bf16 weights, the layers' Triton matrix-vector kernel off vs on
+  overlap overlapped decode off vs on, one engine, runs interleaved: same greedy tokens,
+          decode tok/s at 1 and 8 streams (SmolLM2 F16, 8B F16, 8B Q4_0)
   tp      tensor parallelism (needs 2 GPUs): Llama-3.1-8B bf16 single-stream decode and
           batch 32 with --tensor-parallel 1 and 2 (symmetric-memory and NCCL all-reduce)
           in the same run
@@ -217,7 +220,9 @@ def batch_cell(engine, size: int, prompt_len: int = 128, new: int = 256) -> dict
 
 
 def context_decode(engine, ctx: int, new: int) -> float:
-    """Decode tok/s of one sequence whose cache already holds ``ctx - 1`` (zero) entries."""
+    """Decode tok/s of one sequence whose cache already holds ``ctx - 1`` (zero) entries,
+    stepped as the engine's overlapped decode does (each step queued before the previous
+    one's token is read; step by step where the engine does not overlap)."""
     from lodestar.engine.sequence import Sequence
     runner, pool = engine.runner, engine.pool
     seq = Sequence(10**6 + ctx, prompts(1, ctx, engine.loaded.config.vocab_size)[0], None)
@@ -225,9 +230,18 @@ def context_decode(engine, ctx: int, new: int) -> float:
     seq.num_computed = ctx - 1
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(new):
-        logits = runner.run([seq], [1])
-        seq.output_ids.append(int(logits[0].argmax()))
+    if engine.overlap:
+        pending = runner.launch([seq])
+        for i in range(new - 1):
+            runner.ensure_blocks(seq, seq.num_computed + 1)
+            nxt = runner.launch([seq], pending)
+            seq.output_ids.append(pending.tokens()[0][0])
+            pending = nxt
+        seq.output_ids.append(pending.tokens()[0][0])
+    else:
+        for _ in range(new):
+            logits = runner.run([seq], [1])
+            seq.output_ids.append(int(logits[0].argmax()))
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     pool.free(seq.block_table)
@@ -646,7 +660,8 @@ def stage_profile(r: Results) -> None:
     graph replay (host gap), and per-kernel CUDA time of eager steps (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
     from lodestar.engine.sampling import SamplingParams
-    for geometry, qtype in (("smollm2-135m", "F16"), ("llama-3.1-8b", "Q4_K"), ("llama-3.1-8b", "Q4_0")):
+    for geometry, qtype in (("smollm2-135m", "F16"), ("llama-3.1-8b", "F16"), ("llama-3.1-8b", "Q4_K"),
+                            ("llama-3.1-8b", "Q4_0")):
         def cell(geometry=geometry, qtype=qtype):
             engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, max_seqs=1, kv_tokens=1024)
             runner = engine.runner
@@ -657,11 +672,18 @@ def stage_profile(r: Results) -> None:
                 engine.step()
             torch.cuda.synchronize()
             steps = 100
-            t0 = time.perf_counter()
-            for _ in range(steps):
+            walls = {}
+            for overlap in (False, True):      # step by step, then overlapped (the default)
+                engine.overlap = overlap
                 engine.step()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / steps
+                engine.step()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                torch.cuda.synchronize()
+                walls[overlap] = (time.perf_counter() - t0) / steps
+            wall = walls[True]
             g = runner.graphs[1]["graph"]
             # GPU time of the graph replay inside the engine's steps (vs back to back below)
             inner, replay = [], g.replay
@@ -704,7 +726,9 @@ def stage_profile(r: Results) -> None:
             top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:20]
             total_kernel_us = sum(v[0] for v in kernels.values())
             engine.abort(rid)
-            out = {"wall_ms_per_step": round(wall * 1e3, 3), "graph_replay_gpu_ms": round(gpu * 1e3, 3),
+            out = {"wall_ms_per_step": round(wall * 1e3, 3),
+                   "wall_ms_per_step_step_by_step": round(walls[False] * 1e3, 3),
+                   "graph_replay_gpu_ms": round(gpu * 1e3, 3),
                    "in_engine_replay_gpu_ms": round(in_engine * 1e3, 3) if in_engine else None,
                    "host_gap_ms": round((wall - gpu) * 1e3, 3), "decode_tok_s_wall": round(1 / wall, 1),
                    "eager_kernel_ms_per_step": round(total_kernel_us / 1e3, 3),
@@ -746,6 +770,37 @@ def stage_fuse(r: Results) -> None:
                     "decode_tok_s_off": off["decode_tok_s"], "decode_tok_s_on": on["decode_tok_s"],
                     "on_over_off": round(on["decode_tok_s"]["median"] / off["decode_tok_s"]["median"], 3)}
         r.cell(f"{geometry}-{qtype}", cell, 30)
+
+
+def stage_overlap(r: Results) -> None:
+    """Overlapped decode off vs on in one engine (runs interleaved): greedy tokens must be
+    identical; decode tok/s of one stream and of 8."""
+    from lodestar.engine.sampling import SamplingParams
+    for geometry, qtype in (("smollm2-135m", "F16"), ("llama-3.1-8b", "F16"), ("llama-3.1-8b", "Q4_0")):
+        def cell(geometry=geometry, qtype=qtype):
+            engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, kv_tokens=8192)
+            ps = prompts(8, 64, engine.loaded.config.vocab_size)
+            sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+            toks, runs = {}, {(o, b): [] for o in (False, True) for b in (1, 8)}
+            for overlap in (False, True):
+                engine.overlap = overlap
+                toks[overlap] = [c.token_ids for c in engine.generate(ps[:3], sp)]
+                timed_generate(engine, ps[:1], 16)
+            for _ in range(RUNS):
+                for overlap in (False, True):
+                    engine.overlap = overlap
+                    for b in (1, 8):
+                        runs[(overlap, b)].append(timed_generate(engine, ps[:b], 256)["decode_tok_s"])
+            engine.overlap = True
+            out = {"same_tokens": toks[False] == toks[True]}
+            for b in (1, 8):
+                off, on = stat(runs[(False, b)]), stat(runs[(True, b)])
+                out[f"batch_{b}"] = {"step_by_step_tok_s": off, "overlapped_tok_s": on,
+                                     "overlapped_over_step_by_step": round(on["median"] / off["median"], 3)}
+            del engine
+            release()
+            return out
+        r.cell(f"{geometry}-{qtype}", cell, 40)
 
 
 def stage_densegemv(r: Results) -> None:
@@ -927,7 +982,7 @@ def stage_tp70(r: Results) -> None:
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
           "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
-          "densegemv": stage_densegemv}
+          "densegemv": stage_densegemv, "overlap": stage_overlap}
 
 
 def main(argv: list[str] | None = None) -> int:

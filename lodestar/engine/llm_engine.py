@@ -3,6 +3,15 @@
 ``add_request`` queues a prompt; each ``step`` schedules decode rows plus prefill chunks
 under a token budget, runs them as one flattened batch, samples, detokenizes and checks
 stop conditions. Finished requests free their KV blocks at once.
+
+Overlapped decode (``EngineConfig.overlap_decode``, on by default with CUDA graphs): while
+every running request decodes greedily with nothing to apply to its logits, each step
+queues the next one on the device, fed by the device's own greedy tokens, before reading
+its tokens; the host's detokenizing and stop checks then run while the GPU computes. A
+request that stops on a token leaves one step of extra device work, which is dropped; its
+outputs, the KV blocks it frees and the blocks the prefix cache registers are those of the
+step-by-step loop. Any other step (a prefill, a sampled or penalized row, a waiting request
+that could be admitted, too few free blocks) first finishes the queued step.
 """
 from __future__ import annotations
 
@@ -17,8 +26,8 @@ import torch
 from lodestar.engine.detokenizer import IncrementalDetokenizer
 from lodestar.engine.kv_cache import BlockPool, block_hash, prefix_hashes
 from lodestar.engine.loader import LoadedModel
-from lodestar.engine.model_runner import ModelRunner
-from lodestar.engine.sampling import Sampler, SamplerState, SamplingParams
+from lodestar.engine.model_runner import ModelRunner, PendingDecode
+from lodestar.engine.sampling import SampleResult, Sampler, SamplerState, SamplingParams, plain_greedy
 from lodestar.engine.sequence import Sequence, SequenceStatus
 
 
@@ -50,6 +59,8 @@ class EngineConfig:
     device: str | None = None           # None: where the model was loaded; KV lives there too
     cuda_graphs: bool = True            # replay captured graphs for decode steps (CUDA only)
     tensor_parallel: int = 1            # ranks; must match load_model(..., tensor_parallel=N) (1: as loaded)
+    overlap_decode: bool | None = None  # queue the next greedy decode step before reading this one's
+                                        # tokens (None: on where it gains, CUDA graphs on one rank)
 
 
 @dataclass
@@ -131,6 +142,12 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.requests: dict[int, Sequence] = {}
         self._skip_ids = frozenset(self.tokenizer.special_ids)
+        self._inflight: PendingDecode | None = None
+        runner = self.runner
+        overlap = cfg.overlap_decode
+        if overlap is None:
+            overlap = world == 1 and self.device.type == "cuda" and cfg.cuda_graphs
+        self.overlap = bool(overlap) and world == 1 and runner.can_overlap
 
     # -- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
@@ -307,7 +324,8 @@ class LLMEngine:
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.pool.block_size
-        full = seq.num_computed // bs
+        # with a step in flight, num_computed may run one past the tokens the host knows
+        full = min(seq.num_computed, seq.num_tokens) // bs
         for j in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = block_hash(parent, seq.token_slice(j * bs, (j + 1) * bs), self.fingerprint)
@@ -316,9 +334,17 @@ class LLMEngine:
             self.pool.register(seq.block_table[j], h)
 
     def step(self) -> list[RequestOutput]:
+        if self._inflight is not None:
+            outs = self._collect()
+            if outs or self._inflight is not None:
+                return outs
         rows, counts = self._schedule()
         if not rows:
             return []
+        if self._overlappable(rows, counts):
+            self._inflight = self.runner.launch(rows)
+            self.stats["overlapped_steps"] += 1
+            return self._collect()
         wants = [s.num_computed + n == s.num_tokens for s, n in zip(rows, counts)]
         logits = self.runner.run(rows, counts, wants)
         for s, w in zip(rows, wants):
@@ -332,6 +358,52 @@ class LLMEngine:
             return []
         results = self.sampler.sample(logits, [s.sampler_state for s in sampled])
         return [self._accept(seq, res) for seq, res in zip(sampled, results)]
+
+    # -- overlapped decode ------------------------------------------------------------
+    def _overlappable(self, rows: list[Sequence], counts: list[int]) -> bool:
+        return (self.overlap and all(n == 1 for n in counts) and all(plain_greedy(s.params) for s in rows)
+                and self.runner.launchable(rows))
+
+    def _collect(self) -> list[RequestOutput]:
+        """Queue the next step of the in-flight rows when nothing else needs scheduling, then
+        read and accept the in-flight step's tokens."""
+        cur, self._inflight = self._inflight, None
+        if self._may_continue(cur.seqs):
+            self._inflight = self.runner.launch(cur.seqs, cur)
+            self.stats["overlapped_steps"] += 1
+        tokens, ok = cur.tokens()
+        outs = []
+        for seq, tok, good in zip(cur.seqs, tokens, ok):
+            if seq.is_finished:          # aborted, or stopped, while this step was queued
+                continue
+            if not good:
+                raise ValueError(f"no token can be sampled for request {seq.seq_id}: its largest logit is -inf "
+                                 "or NaN")
+            self._register_full_blocks(seq)
+            outs.append(self._accept(seq, SampleResult(tok)))
+        return outs
+
+    def _may_continue(self, seqs: list[Sequence]) -> bool:
+        """The next step would decode exactly these rows again, greedily: reserve their next
+        blocks (without preempting anyone) and say yes."""
+        cfg = self.config
+        if len(seqs) != len(self.running) or any(s.is_finished for s in seqs):
+            return False
+        if self.waiting and len(self.running) < cfg.max_num_seqs:
+            return False              # a waiting request may fit: let the scheduler see it
+        if len(seqs) > cfg.max_num_batched_tokens:
+            return False
+        # rows that stop on the token in flight (max_tokens, context) need no next step
+        if all(len(s.output_ids) + 1 >= s.params.max_tokens or s.num_computed + 1 >= self.max_model_len
+               for s in seqs):
+            return False
+        needs = [self.pool.blocks_needed(s.num_computed + 1) - len(s.block_table) for s in seqs]
+        if sum(n for n in needs if n > 0) > self.pool.num_free:
+            return False
+        for s, need in zip(seqs, needs):
+            if need > 0:
+                s.block_table.extend(self.pool.allocate(need, after=s.block_table[-1] if s.block_table else None))
+        return self.runner.launchable(seqs)
 
     def _accept(self, seq: Sequence, res) -> RequestOutput:
         p = seq.params

@@ -7,8 +7,19 @@ needs, lengths) are filled on the host and copied in, padded rows write to a spa
 block that no sequence owns, and the graph runs the trunk and the head. Other steps
 (prefill, mixed, or more rows than the largest bucket) run eagerly. Logits stay on the
 device; the sampler reads them there.
+
+Overlapped decode (``launch``): a graph also leaves each row's greedy token (the first
+maximal logit, as the sampler's plain greedy path picks it) in its own token-id input, and
+copies the tokens to pinned host memory behind an event. So the engine can queue the next
+step, fed from the device, before it has read this step's tokens: the GPU runs step N+1
+while the host detokenizes step N. Host staging and result buffers alternate between two
+sets, so filling one step's inputs never waits for the step still queued. On the CPU
+``launch`` runs the step at once (same results; only the device path gains speed).
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,6 +29,33 @@ from lodestar.engine.sequence import Sequence
 from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class PendingDecode:
+    """A launched decode step whose greedy tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    result: torch.Tensor                # int64 [2, >= rows] on the host: tokens, then 1 if the row's max is > -inf
+    done: "torch.cuda.Event | None"     # recorded after the copy to ``result`` (None: ready)
+    graph: dict | None = None           # the captured graph it replayed (CUDA)
+
+    def tokens(self) -> tuple[list[int], list[bool]]:
+        """(token per row, whether the row had a finite-or-+inf maximum); waits for the device."""
+        if self.done is not None:
+            self.done.synchronize()
+        n = len(self.seqs)
+        ids, ok = self.result[:, :n].tolist()
+        return ids, [bool(v) for v in ok]
+
+
+def greedy_into(logits: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[0, :R]`` = first index of each row's maximum, ``out[1, :R]`` = 1 where that
+    maximum is a number above -inf (0 for a row of -inf or with a NaN maximum)."""
+    values, ids = logits.max(dim=-1)
+    r = logits.shape[0]
+    out[0, :r].copy_(ids)
+    out[1, :r].copy_(torch.gt(values, -math.inf))
 
 
 class ModelRunner:
@@ -134,18 +172,17 @@ class ModelRunner:
     def _capture(self, size: int) -> dict:
         from lodestar.kernels.triton_attention import grid_splits, num_partitions
         dev, bs = self.device, self.pool.block_size
-        # Pinned host staging buffers, filled through numpy views each step.
-        host_i64 = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)     # ids, positions, slots
-        host_lens = torch.ones(size, dtype=torch.int32, pin_memory=True)
-        host_tables = torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32, pin_memory=True)
-        host_i64[2].fill_(self.spare_block * bs)
-        g = {"size": size, "host_i64": host_i64, "host_lens": host_lens, "host_tables": host_tables,
-             "ids": torch.zeros(size, dtype=torch.int64, device=dev),
+        # Row 0 is the graph's token-id input and, at its end, each row's greedy token (so a
+        # following step can be fed from the device); row 1 says whether that token is valid.
+        res = torch.zeros(2, size, dtype=torch.int64, device=dev)
+        g = {"size": size, "stages": [self._staging(size) for _ in range(2)], "stage": 0,
+             "outs": [(torch.zeros(2, size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                      for _ in range(2)], "out": 0,
+             "res": res, "ids": res[0],
              "positions": torch.zeros(size, dtype=torch.int64, device=dev),
              "slots": torch.full((size,), self.spare_block * bs, dtype=torch.int64, device=dev),
              "lens": torch.ones(size, dtype=torch.int32, device=dev),
-             "tables": torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32, device=dev),
-             "copied": torch.cuda.Event()}
+             "tables": torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32, device=dev)}
         meta = GpuAttentionMeta(g["slots"], g["tables"], g["lens"], num_partitions(self.max_blocks * bs),
                                 grid_splits(size, self.n_kv_heads, dev))
         g["batch"] = AttentionBatch(g["slots"], g["tables"], g["lens"], torch.arange(size + 1), bs,
@@ -154,15 +191,28 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):   # compile kernels and set up cuBLAS outside the capture
             for _ in range(2):
-                self._forward_logits(g)
+                greedy_into(self._forward_logits(g), res)
         torch.cuda.current_stream(dev).wait_stream(stream)
+        res.zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             g["logits"] = self._forward_logits(g)
+            greedy_into(g["logits"], res)
         g["graph"] = graph
-        g["copied"].record()
         self.graphs[size] = g
         return g
+
+    def _staging(self, size: int) -> dict:
+        """Pinned host buffers for one step's inputs, filled through numpy views."""
+        bs = self.pool.block_size
+        i64 = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)      # ids, positions, slots
+        i64[2].fill_(self.spare_block * bs)
+        copied = torch.cuda.Event()
+        copied.record()
+        return {"i64": i64, "lens": torch.ones(size, dtype=torch.int32, pin_memory=True),
+                "tables": torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32,
+                                     pin_memory=True),
+                "copied": copied}
 
     def capture(self, sizes: tuple[int, ...] = GRAPH_BATCH_SIZES) -> None:
         """Capture decode graphs now (largest first) instead of at first use."""
@@ -170,18 +220,24 @@ class ModelRunner:
             if size not in self.graphs:
                 self._capture(size)
 
-    def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
-        n = len(seqs)
+    def _graph_for(self, n: int) -> dict:
         size = next(b for b in GRAPH_BATCH_SIZES if b >= n)
-        g = self.graphs.get(size) or self._capture(size)
-        bs = self.pool.block_size
-        g["copied"].synchronize()          # the previous step's copies have read the staging buffers
-        i64, lens, tables = g["host_i64"].numpy(), g["host_lens"].numpy(), g["host_tables"].numpy()
+        return self.graphs.get(size) or self._capture(size)
+
+    def _stage(self, g: dict, seqs: list[Sequence], host_ids: bool) -> None:
+        """Copy the rows' positions, KV slots, lengths and block tables (and their token ids
+        if ``host_ids``; else the ids the previous replay left on the device) into ``g``'s inputs."""
+        n, bs = len(seqs), self.pool.block_size
+        st = g["stages"][g["stage"]]
+        g["stage"] ^= 1
+        st["copied"].synchronize()           # this set's previous copies have read it (two steps ago)
+        i64, lens, tables = st["i64"].numpy(), st["lens"].numpy(), st["tables"].numpy()
         width = 1
         for r, s in enumerate(seqs):
             pos = s.num_computed
             bt = s.block_table
-            i64[0, r] = s.token_slice(pos, pos + 1)[0]
+            if host_ids:
+                i64[0, r] = s.token_slice(pos, pos + 1)[0]
             i64[1, r] = pos
             i64[2, r] = bt[pos // bs] * bs + pos % bs
             lens[r] = pos + 1
@@ -192,12 +248,72 @@ class ModelRunner:
         i64[2, n:] = self.spare_block * bs
         lens[n:] = 1
         tables[n:, 0] = self.spare_block
-        g["ids"].copy_(g["host_i64"][0], non_blocking=True)
-        g["positions"].copy_(g["host_i64"][1], non_blocking=True)
-        g["slots"].copy_(g["host_i64"][2], non_blocking=True)
-        g["lens"].copy_(g["host_lens"], non_blocking=True)
-        g["tables"][:, :width].copy_(g["host_tables"][:, :width], non_blocking=True)
-        g["copied"].record()
+        if host_ids:
+            g["ids"].copy_(st["i64"][0], non_blocking=True)
+        g["positions"].copy_(st["i64"][1], non_blocking=True)
+        g["slots"].copy_(st["i64"][2], non_blocking=True)
+        g["lens"].copy_(st["lens"], non_blocking=True)
+        g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)
+        st["copied"].record()
+
+    def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
+        g = self._graph_for(len(seqs))
+        self._stage(g, seqs, host_ids=True)
         g["graph"].replay()
         self.graph_replays += 1
-        return g["logits"][:n].clone()
+        return g["logits"][:len(seqs)].clone()
+
+    # -- overlapped decode -------------------------------------------------------------
+    @property
+    def can_overlap(self) -> bool:
+        """``launch`` works here (CPU: run at once; CUDA: needs decode graphs)."""
+        return self.device.type == "cpu" or self.cuda_graphs
+
+    def launchable(self, seqs: list[Sequence]) -> bool:
+        """These decode rows (blocks for their next token already reserved) can be launched."""
+        if self.device.type == "cpu":
+            return True
+        return (self.cuda_graphs and 0 < len(seqs) <= GRAPH_BATCH_SIZES[-1]
+                and max(len(s.block_table) for s in seqs) <= self.max_blocks)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], prev: PendingDecode | None = None) -> PendingDecode:
+        """Queue one decode step for ``seqs`` (one new token each, blocks reserved) and return
+        without waiting for it; ``num_computed`` advances now.
+
+        ``prev`` None: each row's input is its last token on the host. Else ``prev`` is the
+        step just launched for the same rows in the same order, and each row's input is the
+        greedy token that step leaves on the device (the host may not know it yet)."""
+        if prev is not None and prev.seqs is not seqs and prev.seqs != seqs:
+            raise ValueError("a step fed from the device needs the previous step's rows, in order")
+        if self.device.type == "cpu":
+            return self._launch_cpu(seqs, prev)
+        g = self._graph_for(len(seqs))
+        if prev is not None and prev.graph is not g:
+            raise ValueError("a step fed from the device must replay the previous step's graph")
+        self._stage(g, seqs, host_ids=prev is None)
+        g["graph"].replay()
+        self.graph_replays += 1
+        out, done = g["outs"][g["out"]]
+        g["out"] ^= 1
+        out.copy_(g["res"], non_blocking=True)
+        done.record()
+        for s in seqs:
+            s.num_computed += 1
+        return PendingDecode(seqs, out, done, g)
+
+    def _launch_cpu(self, seqs: list[Sequence], prev: PendingDecode | None) -> PendingDecode:
+        if prev is not None:
+            ids = prev.result[0, :len(seqs)].clone()
+        else:
+            ids = torch.tensor([s.token_slice(s.num_computed, s.num_computed + 1)[0] for s in seqs],
+                               dtype=torch.int64)
+        batch = AttentionBatch.build([s.block_table for s in seqs], [s.num_computed + 1 for s in seqs],
+                                     [1] * len(seqs), self.pool.block_size)
+        hidden = self.model(ids, batch.positions(), batch)
+        logits = self.model.compute_logits(hidden)
+        out = torch.zeros(2, len(seqs), dtype=torch.int64)
+        greedy_into(logits, out)
+        for s in seqs:
+            s.num_computed += 1
+        return PendingDecode(seqs, out, None)

@@ -164,7 +164,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> list[SampleResult]:
         """One token per row; row i follows states[i]. Advances the generators of sampled rows."""
-        if all(_plain_greedy(s.params) for s in states):
+        if all(plain_greedy(s.params) for s in states):
             fast = _plain_argmax(logits, states)
             if fast is not None:
                 return fast
@@ -208,7 +208,7 @@ class Sampler:
         return [SampleResult(ids[i], logprobs[i], top[i]) for i in range(batch)]
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
+def plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing to apply to the logits and no logprobs to report."""
     return (p.is_greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)

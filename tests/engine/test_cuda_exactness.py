@@ -135,3 +135,38 @@ def test_engine_generates_on_cuda(gpu_engine):
     assert [len(c.token_ids) for c in out] == [12, 12]
     assert all(0 <= t < vocab for c in out for t in c.token_ids)
     assert len(out[1].logprobs) == 12 and len(out[1].logprobs[0][1]) == 2
+
+
+def test_overlapped_decode_matches_step_by_step_on_cuda(gpu_engine):
+    """Steps queued from the device's own greedy tokens give the step-by-step tokens, with
+    rows stopping at different lengths and one aborted while a step is in flight."""
+    from lodestar.engine.sampling import SamplingParams
+    vocab = gpu_engine.loaded.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (9, 40, 75)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 47, 64)]
+    gpu_engine.runner.cuda_graphs = True
+
+    def run(overlap: bool, abort_at: int | None = None):
+        gpu_engine.overlap = overlap
+        ids = [gpu_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        got, step = {i: [] for i in ids}, 0
+        while gpu_engine.has_unfinished() or gpu_engine._inflight is not None:
+            if step == abort_at:
+                assert gpu_engine._inflight is not None
+                gpu_engine.abort(ids[0])
+            for out in gpu_engine.step():
+                got[out.request_id] += out.token_ids
+            step += 1
+        return [got[i] for i in ids]
+
+    try:
+        want = run(False)
+        before = gpu_engine.stats["overlapped_steps"]
+        assert run(True) == want
+        assert gpu_engine.stats["overlapped_steps"] - before > 40
+        cut = run(True, abort_at=12)
+        assert cut[1:] == want[1:] and cut[0] == want[0][:len(cut[0])] and len(cut[0]) < 30
+        assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
+    finally:
+        gpu_engine.overlap = True

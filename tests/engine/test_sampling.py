@@ -47,7 +47,7 @@ def test_plain_greedy_fast_path_matches_the_general_path(monkeypatch):
     logits = logits.to(torch.bfloat16).to(torch.float32)           # many near-ties after rounding
     states = [_state(temperature=0.0) for _ in range(6)]
     fast = _tokens(Sampler().sample(logits, states))
-    monkeypatch.setattr(sampling, "_plain_greedy", lambda p: False)
+    monkeypatch.setattr(sampling, "plain_greedy", lambda p: False)
     assert fast == _tokens(Sampler().sample(logits, states)) == logits.argmax(-1).tolist()
     assert fast[1] == 10 and fast[2] == 7
 
