@@ -9,7 +9,8 @@
 # Every stage is time-boxed; a stage that fails or times out is recorded in bench.json
 # and the next one runs. The whole run stays under BUDGET_S seconds (default 530).
 # Writes under $OUT: pytest.xml (GPU tests), pytest-tp.xml (two-GPU tests), bench.json (all measurements, errors and
-# stage exit codes), sweep.csv + sweep.svg (decode speed against context), log.txt.
+# stage exit codes), sweep.csv + sweep.svg (decode speed against context), gemv-variants.json
+# (matrix-vector tilings and loop forms per 8B shape), log.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the results folder}
@@ -92,23 +93,26 @@ stage() {
 stage tests 200 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
   tests/kernels/test_triton_decode_fusion.py tests/kernels/test_triton_dense.py \
+  tests/kernels/test_triton_dense_fusion.py \
   tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
 # Two or more GPUs: tensor parallelism over NCCL (skipped with one GPU).
 stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 \
   --junitxml="$OUT/pytest-tp.xml" \
   tests/distributed/test_tensor_parallel_cuda.py
 bench env 25
-bench fuse 130
+bench overlap 120
+bench profile 75
+bench small 30
+bench 8b-f16 70
+bench 8b-q4_0 25
+bench 8b-q4k 25
+bench fuse 90
+bench sweep 60 --csv "$OUT/sweep.csv" --svg "$OUT/sweep.svg"
+stage gemvvar 100 bash -c "$PY -m lodestar.bench.gemv_variants --budget 90 > '$OUT/gemv-variants.json'"
 bench densegemv 100
 bench tp 150
 bench tp70 120
 bench gemv 100
-bench profile 60
-bench small 70
-bench 8b-f16 110
-bench 8b-q4k 45
-bench sweep 60 --csv "$OUT/sweep.csv" --svg "$OUT/sweep.svg"
-bench 8b-q4_0 45
 bench dense 90
 bench hf 80 --workdir /tmp/lodestar-bench
 say "done in $(( $(date +%s) - START ))s"

@@ -25,7 +25,7 @@ Stages:
           graph replay (host gap) and the per-kernel times of eager decode steps (SmolLM2
           F16, 8B F16, Q4_K and Q4_0)
   fuse    decode fusions off vs on (LODESTAR_FUSE=0/1): same tokens and log-probabilities,
-          decode tok/s (8B Q4_0 and Q4_K, SmolLM2 Q4_0)
+          decode tok/s (SmolLM2 and 8B, F16 and Q4_0; LODESTAR_FUSE_CELLS="geometry/type ...")
   dense   bf16 matrix-vector at M = 1: cuBLAS vs the Triton kernel (tiling sweep)
   densegemv  decode with bf16 weights, the layers' Triton matrix-vector kernel off vs on
   overlap overlapped decode off vs on, one engine, runs interleaved: same greedy tokens,
@@ -748,7 +748,9 @@ def stage_fuse(r: Results) -> None:
     sums inside the matrix-vector kernel, residual add in the next norm) off vs on, one
     engine each: identical greedy tokens and log-probabilities, and decode tok/s."""
     from lodestar.engine.sampling import SamplingParams
-    for geometry, qtype in (("llama-3.1-8b", "Q4_0"), ("smollm2-135m", "Q4_0"), ("llama-3.1-8b", "Q4_K")):
+    cells = [c.split("/") for c in os.environ.get(
+        "LODESTAR_FUSE_CELLS", "smollm2-135m/F16 llama-3.1-8b/F16 llama-3.1-8b/Q4_0 smollm2-135m/Q4_0").split()]
+    for geometry, qtype in cells:
         def cell(geometry=geometry, qtype=qtype):
             res = {}
             for fuse in ("0", "1"):
@@ -790,7 +792,7 @@ def stage_overlap(r: Results) -> None:
                 for overlap in (False, True):
                     engine.overlap = overlap
                     for b in (1, 8):
-                        runs[(overlap, b)].append(timed_generate(engine, ps[:b], 256)["decode_tok_s"])
+                        runs[(overlap, b)].append(timed_generate(engine, ps[:b], 128)["decode_tok_s"])
             engine.overlap = True
             out = {"same_tokens": toks[False] == toks[True]}
             for b in (1, 8):

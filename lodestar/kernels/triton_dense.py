@@ -11,6 +11,25 @@ cuBLAS above:
 on the H200 it took 1.97-2.37 us against cuBLAS's 3.26-4.55 us on SmolLM2's matrices and
 matched cuBLAS on the 8B MLP's (``lodestar.bench.gpu dense``). ``LODESTAR_DENSE_GEMV=0``
 turns it off.
+
+Producer fusions: the kernel can compute its x tiles itself from what would have made x,
+saving that kernel's launch. The Llama decode path uses ``PendingNorm`` for small weights
+(``FUSE_MAX_WEIGHT``; fusion ``dense_norm`` of ``triton_quant.fusions``). ``PendingGlu``
+is exact too but measured slower on the H200 (see ``FUSE_MAX_WEIGHT``).
+
+``PendingNorm`` [``dense_gemv(rms_norm(x, residual=r), w)``]
+    RMSNorm (Llama form, ``w * y.to(dtype)``) of ``x + residual``. Every program
+    recomputes the row's sum of squares (the row is small and read from L2) with
+    ``_rms_rstd``, the helper ``triton_fused._rms_norm_kernel`` uses too, whose sum is
+    exact (int64) so the scale is the same bits in both kernels whatever their layouts;
+    tiles are normalized and rounded to bf16 as the norm kernel does. The programs of the
+    first row tile write the residual stream ``h = x + residual``.
+``PendingGlu`` [``dense_gemv(silu_mul(gate, up), w)``]
+    ``silu(gate) * up`` (halves of the fused gate|up output) through ``_glu_act``, which
+    ``triton_fused._glu_kernel`` uses too, rounded to bf16 as it does.
+
+Either gives the same bits as the unfused kernels. Shared by ``triton_fused``, the
+helpers live here (this module's kernels exist whenever Triton imports).
 """
 from __future__ import annotations
 
@@ -37,6 +56,16 @@ class DenseGemvConfig:
 # Rows of x up to which the layers use this kernel. Each row streams the weights again, so
 # at 2-4 rows an 8B model decoded slower than with cuBLAS (batch 4: 429 vs 730 tok/s).
 MAX_ROWS = 1
+# Weight elements up to which the layers hand a projection the RMSNorm feeding it (launch
+# latency dominates there). H200, F16, one-row decode with CUDA graphs, tok/s without ->
+# with the norm fused: SmolLM2-135M (q|k|v, gate|up <= 1.8M elements) 1160-1182 -> 1259-1261;
+# forced on every size, Llama-3.2-1B (>= 6.3M) 996 -> 918 and Llama-3.1-8B 223 -> 198:
+# every program recomputes the row's scale, which on large weights costs more than the
+# launch it saves. The GLU prologue measured slower on both SmolLM2 (1170 -> 1140) and the
+# 8B (223 -> 209), so no model uses ``PendingGlu`` yet.
+FUSE_MAX_WEIGHT = 1 << 22
+# Activations of ``PendingGlu`` (the ``ACT`` of ``triton_fused._glu_kernel``).
+SILU, GELU_TANH = 0, 1
 
 
 def enabled() -> bool:
@@ -53,58 +82,221 @@ def config_for(n: int, k: int) -> DenseGemvConfig:
     return DenseGemvConfig(4, 512 if k % 512 == 0 else 256, 4 if k >= 8192 else 1, 4)
 
 
+@dataclass
+class PendingNorm:
+    """``rms_norm(x, weight, eps, residual=residual)`` (Llama form) left for the dense
+    matrix-vector kernel that reads it to compute in its prologue; ``h`` (``x + residual``,
+    or ``x`` itself without one) is written by that kernel."""
+
+    x: torch.Tensor                  # [M, K]
+    residual: torch.Tensor | None    # [M, K] or None
+    weight: torch.Tensor             # fp32 [K]
+    eps: float
+    h: torch.Tensor                  # [M, K]
+
+    @classmethod
+    def of(cls, x: torch.Tensor, weight: torch.Tensor, eps: float,
+           residual: torch.Tensor | None = None) -> "PendingNorm":
+        x = x.contiguous()
+        if residual is None:
+            return cls(x, None, weight, eps, x)
+        return cls(x, residual.contiguous(), weight, eps, torch.empty_like(x))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    def materialize(self) -> torch.Tensor:
+        """The norm as a tensor (for a consumer that cannot fuse it); fills ``h``."""
+        from lodestar.kernels.triton_fused import rms_norm
+        if self.residual is None:
+            return rms_norm(self.x, self.weight, self.eps)
+        y, h = rms_norm(self.x, self.weight, self.eps, residual=self.residual)
+        self.h.copy_(h)
+        return y
+
+
+@dataclass
+class PendingGlu:
+    """``act(gate) * up`` for [M, F] views (rows of one stride, e.g. halves of a fused
+    gate|up output) left for the dense matrix-vector kernel that reads it."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    act: int = SILU
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.gate.shape
+
+    def materialize(self) -> torch.Tensor:
+        from lodestar.kernels import triton_fused
+        fn = triton_fused.silu_mul if self.act == SILU else triton_fused.gelu_tanh_mul
+        return fn(self.gate, self.up)
+
+
 def dense_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp32 reference of ``x @ w.T``."""
     return x.float() @ w.float().T
 
 
-def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+def dense_gemv(x: torch.Tensor | PendingNorm | PendingGlu, w: torch.Tensor, out_dtype: torch.dtype | None = None,
                config: DenseGemvConfig | None = None) -> torch.Tensor:
-    """``x [M, K] @ w[N, K].T`` -> ``[M, N]`` in ``out_dtype`` (default x's dtype)."""
+    """``x [M, K] @ w[N, K].T`` -> ``[M, N]`` in ``out_dtype`` (default x's dtype). ``x`` may
+    be a ``PendingNorm`` or ``PendingGlu`` (bf16): the kernel computes it tile by tile."""
     cfg = config or DenseGemvConfig()
-    m, k = x.shape
+    args = _x_args(x)
+    m, k = args["shape"]
     n = w.shape[0]
     if w.shape[1] != k:
         raise ValueError(f"x has {k} columns, w has {w.shape[1]}")
     k_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k   # columns per split
-    x = x.contiguous()
     w = w.contiguous()
-    out_dtype = out_dtype or x.dtype
+    out_dtype = out_dtype or args["dtype"]
     grid = (m, triton.cdiv(n, cfg.block_n), cfg.split)
-    if cfg.split == 1:
-        out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-        _dense_gemv_kernel[grid](x, w, out, n, k, k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                 num_warps=cfg.warps)
-        return out
-    part = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
-    _dense_gemv_kernel[grid](x, w, part, n, k, k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    out = torch.empty((m, n), dtype=out_dtype, device=w.device)
+    dst = out if cfg.split == 1 else torch.empty((cfg.split, m, n), dtype=torch.float32, device=w.device)
+    _dense_gemv_kernel[grid](args["x"], args["x2"], args["nw"], args["h"], args["sx"], args["eps"], w, dst, n, k,
+                             k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=args["mode"],
+                             HAS_RES=args["has_res"], ACT=args["act"], K_POW2=1 << (k - 1).bit_length(),
                              num_warps=cfg.warps)
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    total = m * n
-    _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](part, out, total, SPLIT=cfg.split, BLOCK=1024)
+    if cfg.split > 1:
+        total = m * n
+        _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](dst, out, total, SPLIT=cfg.split, BLOCK=1024)
     return out
+
+
+# X_MODE of _dense_gemv_kernel: where its x tiles come from
+_X_PLAIN, _X_NORM, _X_GLU = 0, 1, 2
+
+
+def _x_args(x: torch.Tensor | PendingNorm | PendingGlu) -> dict:
+    """The kernel's x arguments (unused pointers point at x, never read)."""
+    if isinstance(x, PendingNorm):
+        _need_bf16(x.x)
+        has_res = x.residual is not None
+        return dict(shape=x.x.shape, dtype=x.x.dtype, x=x.x, x2=x.residual if has_res else x.x, nw=x.weight,
+                    h=x.h, sx=x.x.shape[1], eps=x.eps, mode=_X_NORM, has_res=has_res, act=SILU)
+    if isinstance(x, PendingGlu):
+        _need_bf16(x.gate)
+        gate, up = x.gate, x.up
+        if gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.stride(0) != up.stride(0):
+            gate, up = gate.contiguous(), up.contiguous()
+        return dict(shape=gate.shape, dtype=gate.dtype, x=gate, x2=up, nw=gate, h=gate, sx=gate.stride(0),
+                    eps=0.0, mode=_X_GLU, has_res=False, act=x.act)
+    x = x.contiguous()
+    return dict(shape=x.shape, dtype=x.dtype, x=x, x2=x, nw=x, h=x, sx=x.shape[1], eps=0.0, mode=_X_PLAIN,
+                has_res=False, act=SILU)
+
+
+def _need_bf16(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"a fused x prologue needs bf16 [rows, features]; got {x.dtype} {tuple(x.shape)}")
 
 
 if triton is not None:
     @triton.jit
-    def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _residual_chunk(x_ptr, r_ptr, cols, mask, HAS_RES: tl.constexpr):
+        """x (plus the residual, rounded to x's dtype as the unfused add is) at ``cols``."""
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _rms_rstd(h, eps, D: tl.constexpr):
+        """``1 / rms`` of the fp32 row ``h`` (padding lanes 0), the same bits in every kernel.
+
+        ``tl.sum``'s order of float adds follows the register layout (num_warps, tiling,
+        alignment), so two kernels would round the sum of squares differently. Here the
+        squares, scaled by the row's max, are truncated to 2^-40 units and summed as int64:
+        exact, so any order gives the same total (rounding error at most D * 2^-40 of the
+        largest square, below fp32 accumulation's); the max is exact too."""
+        amax = tl.max(tl.abs(h), 0)
+        inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+        t = h * inv
+        total = tl.sum((t * t * 1099511627776.0).to(tl.int64), 0)               # 2^40
+        ss = total.to(tl.float32) * 9.094947017729282e-13 * amax * amax          # 2^-40
+        return tl.rsqrt(ss / D + eps)
+
+    @triton.jit
+    def _rms_apply(x, rstd, w, OFFSET: tl.constexpr):
+        """Normalized x in x's dtype: ``w * y.to(dtype)`` (Llama) or ``(y * w).to(dtype)``
+        (``OFFSET``, Gemma); ``w`` fp32."""
+        h = x.to(tl.float32) * rstd
+        if OFFSET:
+            y = h * w
+        else:
+            y = w * h.to(x.dtype).to(tl.float32)
+        return y.to(x.dtype)
+
+    @triton.jit
+    def _glu_act(g, u, ACT: tl.constexpr):
+        """``act(g) * u`` in fp32 from fp32 g, u (ACT 0: silu, 1: gelu_tanh)."""
+        if ACT == 0:
+            a = g / (1.0 + tl.exp(-g))
+        else:
+            # 0.5 * (1 + tanh(z)) == sigmoid(2z): no cancellation for negative z
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)   # sqrt(2/pi) * (...)
+            a = g / (1.0 + tl.exp(-2.0 * z))
+        return a * u
+
+    @triton.jit
+    def _fused_x_tile(x_ptr, x2_ptr, nw_ptr, h_ptr, cols, mask_k, rstd, is_writer,
+                      X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
+        """fp32 x at ``cols`` computed from its producer's inputs, rounded to bf16 first
+        exactly as that producer's kernel stores it."""
+        if X_MODE == 1:
+            x = _residual_chunk(x_ptr, x2_ptr, cols, mask_k, HAS_RES)
+            if HAS_RES:
+                tl.store(h_ptr + cols, x, mask=mask_k & is_writer)
+            w = tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+            xv = _rms_apply(x, rstd, w, False).to(tl.float32)
+        else:
+            g = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
+            u = tl.load(x2_ptr + cols, mask=mask_k, other=0.0)
+            xv = _glu_act(g.to(tl.float32), u.to(tl.float32), ACT).to(g.dtype).to(tl.float32)
+        return xv
+
+    @triton.jit
+    def _dense_gemv_kernel(x_ptr, x2_ptr, nw_ptr, h_ptr, sx, eps, w_ptr, out_ptr, N, K: tl.constexpr,
+                           K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr):
+        """X_MODE 0: x given (row stride ``sx``); 1: x = rms_norm(x + x2) with weight nw (h = x +
+        x2 written by the programs of row tile 0); 2: x = act(x) * x2."""
         row = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         lanes = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + row.to(tl.int64) * sx
+        x2_row = x2_ptr + row.to(tl.int64) * sx
+        h_row = h_ptr + row.to(tl.int64) * K
+        rstd = 0.0
+        if X_MODE == 1:   # the whole row (L2-resident) for the scale, as the norm kernel reads it
+            row_cols = tl.arange(0, K_POW2)
+            xr = _residual_chunk(x_row, x2_row, row_cols, row_cols < K, HAS_RES)
+            rstd = _rms_rstd(xr.to(tl.float32), eps, K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         k0 = pid_k * K_SPLIT
         for kk in range(0, K_SPLIT, BLOCK_K):
             cols = k0 + kk + lanes
             if K % K_SPLIT == 0 and K_SPLIT % BLOCK_K == 0:
-                xv = tl.load(x_ptr + row * K + cols).to(tl.float32)
+                if X_MODE == 0:
+                    xv = tl.load(x_row + cols).to(tl.float32)
+                else:
+                    xv = _fused_x_tile(x_row, x2_row, nw_ptr, h_row, cols, cols < K, rstd, pid_n == 0,
+                                       X_MODE, HAS_RES, ACT)
                 wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=mask_n[:, None], other=0.0)
             else:
                 mask_k = cols < K
-                xv = tl.load(x_ptr + row * K + cols, mask=mask_k, other=0.0).to(tl.float32)
+                if X_MODE == 0:
+                    xv = tl.load(x_row + cols, mask=mask_k, other=0.0).to(tl.float32)
+                else:
+                    xv = _fused_x_tile(x_row, x2_row, nw_ptr, h_row, cols, mask_k, rstd, pid_n == 0,
+                                       X_MODE, HAS_RES, ACT)
                 wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
                              mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc += wv.to(tl.float32) * xv[None, :]

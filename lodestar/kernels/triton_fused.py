@@ -4,7 +4,10 @@
     RMSNorm over the last dim of a [A, B, D] view (row strides free, last dim contiguous),
     optionally adding a residual first: ``r = x + residual`` (rounded to the activation
     dtype, as the unfused add would), ``y = norm(r)``; returns ``y`` (and ``r``). Statistics
-    in fp32. ``offset=False``: ``w * y.to(dtype)`` (Llama); ``offset=True``:
+    in fp32; the sum of squares is exact (``triton_dense._rms_rstd``, shared with the dense
+    matrix-vector kernel that can fuse this norm, so both give the same bits). A wide row
+    of a small batch is spread over several programs (``SLICE_COLS`` each), every one
+    recomputing the scale. ``offset=False``: ``w * y.to(dtype)`` (Llama); ``offset=True``:
     ``(y * w).to(dtype)`` (Gemma, whose ``w`` already holds ``1 + w``). With
     ``quantize=True`` (bf16 [M, D] rows) the same kernel also quantizes its bf16 output for
     the matrix-vector kernel and returns ``triton_quant.QuantizedRows``: the same bits as
@@ -16,7 +19,8 @@
     one rounding.
 ``silu_mul`` / ``gelu_tanh_mul`` [``*_ref``]
     ``act(gate) * up`` over [T, F] views (gate and up may be halves of one fused output),
-    fp32 math, one rounding; ``quantize=True`` as for ``rms_norm``.
+    fp32 math, one rounding (``triton_dense._glu_act``, shared with the dense kernel's
+    GLU prologue); ``quantize=True`` as for ``rms_norm``.
 """
 from __future__ import annotations
 
@@ -62,12 +66,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     res_out = torch.empty(shape, device=x.device, dtype=x.dtype) if residual is not None else out
     words, d1, sums = _quant_outputs(out, quantize)
     block = _pow2(max(D, GROUP))
-    _rms_norm_kernel[(A * B,)](
+    slices = _norm_slices(A * B, D)
+    _rms_norm_kernel[(A * B, slices)](
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
-        res_in.stride(1), eps, D=D, BLOCK=block, OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize,
-        num_warps=4 if D <= 2048 else 8)
+        res_in.stride(1), eps, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block, OFFSET=offset,
+        HAS_RES=residual is not None, QUANT=quantize, num_warps=4 if D <= 2048 else 8)
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
+
+
+# Rows up to which a wide row's norm is spread over programs of SLICE_COLS columns each
+# (a power of two, whole 32-element groups). Every program recomputes the whole row's
+# scale (cheap, from L2) and normalizes its slice: for one 4096-wide row on the H200 the
+# fused norm + quantize took 2.6 us over four programs against 4.6 us in one.
+SLICE_ROWS = 8
+SLICE_COLS = 1024
+
+
+def _norm_slices(rows: int, d: int) -> int:
+    """Programs per row of ``_rms_norm_kernel``."""
+    if rows > SLICE_ROWS or d < 2 * SLICE_COLS:
+        return 1
+    return -(-d // SLICE_COLS)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
@@ -165,6 +185,7 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
+    from lodestar.kernels.triton_dense import _glu_act, _residual_chunk, _rms_apply, _rms_rstd
     from lodestar.kernels.triton_quant import _quant_groups, _store_quant_groups
 
     @triton.jit
@@ -177,31 +198,43 @@ if triton_enabled():
         _store_quant_groups(words_ptr, d1_ptr, sums_ptr, row * (D // 32) + g, g < D // 32, w1, w2, d1, sa, sb)
 
     @triton.jit
+    def _norm_store(x, cols, mask, rstd, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr, row, g0, D,
+                    BLOCK: tl.constexpr, OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr):
+        """Write ``x`` (the residual sum) and its norm at ``cols`` (BLOCK of them, from column
+        ``32 * g0``) of row ``row``, quantized too with QUANT."""
+        if HAS_RES:
+            tl.store(res_out_ptr + row * D + cols, x, mask=mask)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _rms_apply(x, rstd, w, OFFSET).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * D + cols, y, mask=mask)
+        if QUANT:   # from the stored (rounded) values, exactly as quantize_x would read them
+            _quant_store(words_ptr, d1_ptr, sums_ptr, y, row, g0, D, BLOCK)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
-                         B, sx0, sx1, sr0, sr1, eps, D: tl.constexpr, BLOCK: tl.constexpr,
+                         B, sx0, sx1, sr0, sr1, eps, D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
                          OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr):
+        """Row ``program_id(0)``: the scale from the whole row (``_rms_rstd``, which the dense
+        matrix-vector kernel uses when it fuses this norm), then columns ``SLICE *
+        program_id(1) ..`` normalized (SLICE == BLOCK: the whole row, kept in registers)."""
         row = tl.program_id(0)
         a = (row // B).to(tl.int64)
         b = (row % B).to(tl.int64)
+        x_row = x_ptr + a * sx0 + b * sx1
+        r_row = r_ptr + a * sr0 + b * sr1
         cols = tl.arange(0, BLOCK)
         mask = cols < D
-        x = tl.load(x_ptr + a * sx0 + b * sx1 + cols, mask=mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(r_ptr + a * sr0 + b * sr1 + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(res_out_ptr + row.to(tl.int64) * D + cols, x, mask=mask)
-        h = x.to(tl.float32)
-        ms = tl.sum(h * h, 0) / D
-        h = h * tl.rsqrt(ms + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if OFFSET:
-            y = h * w
+        x = _residual_chunk(x_row, r_row, cols, mask, HAS_RES)
+        rstd = _rms_rstd(x.to(tl.float32), eps, D)
+        if SLICE == BLOCK:
+            _norm_store(x, cols, mask, rstd, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
+                        row.to(tl.int64), 0, D, BLOCK, OFFSET, HAS_RES, QUANT)
         else:
-            y = w * h.to(x.dtype).to(tl.float32)
-        y = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row.to(tl.int64) * D + cols, y, mask=mask)
-        if QUANT:   # from the stored (rounded) values, exactly as quantize_x would read them
-            _quant_store(words_ptr, d1_ptr, sums_ptr, y, row.to(tl.int64), 0, D, BLOCK)
+            cols = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+            mask = cols < D
+            x = _residual_chunk(x_row, r_row, cols, mask, HAS_RES)
+            _norm_store(x, cols, mask, rstd, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
+                        row.to(tl.int64), tl.program_id(1) * (SLICE // 32), D, SLICE, OFFSET, HAS_RES, QUANT)
 
     @triton.jit
     def _rope_rows(ptr, pos_cos, pos_sin, t, stride_t, stride_h, H: tl.constexpr, H_PAD: tl.constexpr,
@@ -266,13 +299,7 @@ if triton_enabled():
         mask = cols < Fd
         g = tl.load(g_ptr + t * sg + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + t * su + cols, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            a = g / (1.0 + tl.exp(-g))
-        else:
-            # 0.5 * (1 + tanh(z)) == sigmoid(2z): no cancellation for negative z
-            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)   # sqrt(2/pi) * (...)
-            a = g / (1.0 + tl.exp(-2.0 * z))
-        y = (a * u).to(out_ptr.dtype.element_ty)
+        y = _glu_act(g, u, ACT).to(out_ptr.dtype.element_ty)   # as the dense kernel's GLU prologue
         tl.store(out_ptr + t * Fd + cols, y, mask=mask)
         if QUANT:
             # Fd is a multiple of 32 here: the masked tail holds whole groups only

@@ -45,13 +45,29 @@ Kernels (reference in brackets, same module):
     and every row of x goes through the same program whatever M is, so a row's result
     does not depend on which other rows share the batch (batched decode and CUDA-graph
     replay give the same tokens as single-stream decode).
+
+    Tiling and loop form (``GemvConfig``, chosen by ``gemv_config`` per weight type and
+    shape): ``block_n``, ``tile_groups``, ``split_k``, ``num_warps``, and one of three loop
+    variants over the default plain loop: ``prefetch`` (the next tile's codes, scales and x
+    are loaded into registers before this tile's math), ``stages`` (Triton's software
+    pipelining, ``tl.range(num_stages=...)``) or ``unroll`` (the whole tile loop unrolled).
+    Every variant adds the same per-group products in the same order within a program, so
+    each is deterministic and batch-invariant; results differ from the default's only by
+    fp32 rounding of the tile sums. Selection, first match wins:
+    ``LODESTAR_GEMV=block_n,tile_groups,split_k,num_warps[,prefetch,stages,unroll]`` (every
+    shape); ``LODESTAR_GEMV_TABLE=file.json`` (keys ``Q4_K:6144,4096`` or ``6144,4096``,
+    values in that same form; the JSON that ``python -m lodestar.bench.gemv_variants`` prints
+    is such a file, holding the fastest config it measured per type and shape); the rule
+    (``default_gemv_config``) with ``LODESTAR_GEMV_VARIANT=name`` applied (names in
+    ``GEMV_VARIANTS``: ``prefetch``, ``stages2``, ``stages3``, ``unroll``, ``wide32``,
+    ``wide32_prefetch``).
 ``dequantize_packed`` [``dequantize_packed_ref``, bit-identical to ``dequant.dequantize``]
     Writes the whole weight as bf16 (or fp32); the large-M (prefill) path dequantizes
     per call into a temporary and runs one cuBLAS matmul (``matmul``).
 
 Decode fusions (``fusions()``, env ``LODESTAR_FUSE``: unset or ``1`` all, ``0`` none, or a
-comma list of ``quant``, ``split_sum``, ``residual``) only remove kernel launches; with any
-of them on or off the results are the same bits.
+comma list of ``quant``, ``split_sum``, ``residual``, ``dense_norm``) only remove kernel
+launches; with any of them on or off the results are the same bits.
 
 ``import triton`` happens only when CUDA is available or ``TRITON_INTERPRET=1`` (the
 interpreter runs the same kernels on CPU tensors, which is how the tests exercise them
@@ -59,8 +75,10 @@ without a GPU).
 """
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +104,7 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 
 
-FUSIONS = ("quant", "split_sum", "residual")
+FUSIONS = ("quant", "split_sum", "residual", "dense_norm")
 
 
 def fusions() -> frozenset[str]:
@@ -95,7 +113,8 @@ def fusions() -> frozenset[str]:
     comma list of their names. ``quant``: RMSNorm and the gated activation also emit the
     quantized x of the projection they feed; ``split_sum``: K splits are added inside the
     matrix-vector kernel; ``residual``: a block's last residual add runs inside the next
-    RMSNorm."""
+    RMSNorm; ``dense_norm``: a small one-row dense (``triton_dense``) projection computes
+    the RMSNorm (with its residual add) that feeds it in its own prologue."""
     env = os.environ.get("LODESTAR_FUSE", "1").strip()
     if env in ("", "1"):
         return frozenset(FUSIONS)
@@ -291,38 +310,129 @@ class GemvConfig:
     tile_groups: int    # 32-weight groups per loaded tile (a power of two)
     split_k: int        # programs along K per row block
     num_warps: int
+    # Loop variants (``GEMV_VARIANTS``); the defaults are the plain loop measured in
+    # docs/benchmarks.md. None changes a row's arithmetic across rows or batch sizes.
+    prefetch: bool = False  # issue tile t+1's loads (codes, scales, x) before tile t's math
+    stages: int = 0         # tl.range(num_stages=stages) for the tile loop; 0: the compiler's choice
+    unroll: bool = False    # unroll the whole tile loop, so loads of later tiles can be hoisted
 
+    def __post_init__(self) -> None:
+        if self.prefetch + (self.stages > 0) + self.unroll > 1:
+            raise ValueError(f"{self}: prefetch, stages and unroll are alternative forms of the tile "
+                             f"loop; set one of them")
+
+
+# Named loop variants applied over the tiling rule's result (``LODESTAR_GEMV_VARIANT``).
+# Each is a set of GemvConfig field overrides; ``default`` is the rule itself.
+GEMV_VARIANTS: dict[str, dict[str, int | bool]] = {
+    "default": {},
+    "prefetch": {"prefetch": True},
+    "stages2": {"stages": 2},
+    "stages3": {"stages": 3},
+    "unroll": {"unroll": True},
+    "wide32": {"block_n": 32},                       # x terms loaded once per 32 rows, 8 KB tiles
+    "wide32_prefetch": {"block_n": 32, "prefetch": True},
+}
 
 _CONFIGS: dict[tuple, GemvConfig] = {}
 # K splits are added until there are this many programs per SM. Tiles of 16 rows x 16 groups
 # with 4 warps and this rule are what docs/benchmarks.md measures end to end on the H200;
 # the tiling sweep (``lodestar.bench.gpu gemv``) finds single shapes up to ~15% faster with
-# other tilings, with no tiling best for every type.
+# other tilings, with no tiling best for every type; ``lodestar.bench.gemv_variants``
+# measures the loop variants and writes a table ``LODESTAR_GEMV_TABLE`` reads.
 PROGRAMS_PER_SM = 4
+_GEMV_ENV = ("LODESTAR_GEMV", "LODESTAR_GEMV_VARIANT", "LODESTAR_GEMV_TABLE")
 
 
-def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
-    """Tiling for an [n, k] weight: a function of (n, k) and the device only, never of M.
+def parse_gemv_config(text: str) -> GemvConfig:
+    """``block_n,tile_groups,split_k,num_warps[,prefetch,stages,unroll]`` -> GemvConfig."""
+    values = [int(v) for v in text.split(",")]
+    if not 4 <= len(values) <= 7:
+        raise ValueError(f"GEMV config {text!r}: give block_n,tile_groups,split_k,num_warps"
+                         f"[,prefetch,stages,unroll] as integers")
+    fields = ("prefetch", "stages", "unroll")
+    extra = {f: (bool(v) if f != "stages" else v) for f, v in zip(fields, values[4:])}
+    return GemvConfig(*values[:4], **extra)
 
-    ``LODESTAR_GEMV=block_n,tile_groups,split_k,num_warps`` overrides it (for tuning).
+
+def config_text(cfg: GemvConfig) -> str:
+    """The ``parse_gemv_config`` form of ``cfg`` (what ``LODESTAR_GEMV`` and the table hold)."""
+    return f"{cfg.block_n},{cfg.tile_groups},{cfg.split_k},{cfg.num_warps}," \
+           f"{int(cfg.prefetch)},{cfg.stages},{int(cfg.unroll)}"
+
+
+def with_variant(cfg: GemvConfig, name: str) -> GemvConfig:
+    """``cfg`` with the loop variant ``name`` of ``GEMV_VARIANTS`` applied."""
+    if name not in GEMV_VARIANTS:
+        raise ValueError(f"LODESTAR_GEMV_VARIANT={name!r}; use one of {', '.join(GEMV_VARIANTS)}")
+    return replace(cfg, **GEMV_VARIANTS[name])
+
+
+def _table_config(path: str, n: int, k: int, qtype: GGMLQuantizationType | None) -> GemvConfig | None:
+    """The entry for ``TYPE:n,k`` (else ``n,k``) in a JSON table ``{"Q4_0:n,k":
+    "block_n,tile_groups,..."}``, or its ``table`` member (what ``lodestar.bench.gemv_variants``
+    prints), or None."""
+    with open(path) as f:
+        table = json.load(f)
+    table = table.get("table", table)
+    text = (qtype is not None and table.get(f"{T(qtype).name}:{n},{k}")) or table.get(f"{n},{k}")
+    return parse_gemv_config(text) if text else None
+
+
+TUNED_TABLE = Path(__file__).with_name("gemv_tuned.json")
+
+
+def _tuned_config(n: int, k: int, device: torch.device, qtype: GGMLQuantizationType | None) -> GemvConfig | None:
+    """The shipped tiling for ``TYPE:n,k`` on this device model (``gemv_tuned.json``), or None."""
+    if device.type != "cuda" or qtype is None:
+        return None
+    tables = json.loads(TUNED_TABLE.read_text())
+    text = tables.get(torch.cuda.get_device_name(device), {}).get(f"{T(qtype).name}:{n},{k}")
+    return parse_gemv_config(text) if text else None
+
+
+def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
+    """The tiling rule alone: 16 rows x up to 16 groups, K split until PROGRAMS_PER_SM programs/SM."""
+    groups = k // GROUP
+    tile = 16
+    while tile > 1 and tile > groups:
+        tile //= 2
+    block_n = 16
+    split = 1
+    while (-(-n // block_n) * split < PROGRAMS_PER_SM * _num_sms(device)
+           and groups // (split * 2) >= 4 * tile and split < 8):
+        split *= 2
+    return GemvConfig(block_n, tile, split, 4)
+
+
+def gemv_config(n: int, k: int, device: torch.device,
+                qtype: GGMLQuantizationType | None = None) -> GemvConfig:
+    """Tiling for an [n, k] weight of ``qtype``: a function of (type, n, k) and the device
+    only, never of M.
+
+    In order of precedence: ``LODESTAR_GEMV=block_n,tile_groups,split_k,num_warps[,prefetch,
+    stages,unroll]`` for every shape; ``LODESTAR_GEMV_TABLE=file.json`` per type and shape
+    (keys ``Q4_K:n,k`` or ``n,k``; shapes it lacks fall through); without either (and
+    without a variant), the shipped table ``gemv_tuned.json`` for this GPU model
+    (``LODESTAR_GEMV_TABLE=off`` skips it); the rule
+    (``default_gemv_config``), with ``LODESTAR_GEMV_VARIANT=name`` (a key of ``GEMV_VARIANTS``)
+    applied to it.
     """
-    key = (n, k, device.type)
+    env = tuple(os.environ.get(v, "") for v in _GEMV_ENV)
+    key = (n, k, device.type, None if qtype is None else int(qtype), env)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        env = os.environ.get("LODESTAR_GEMV")
-        if env:
-            cfg = GemvConfig(*(int(v) for v in env.split(",")))
+        fixed, variant, table = env
+        if fixed:
+            cfg = parse_gemv_config(fixed)
+        elif table == "off" or variant:
+            cfg = None
+        elif table:
+            cfg = _table_config(table, n, k, qtype)
         else:
-            groups = k // GROUP
-            tile = 16
-            while tile > 1 and tile > groups:
-                tile //= 2
-            block_n = 16
-            split = 1
-            while (-(-n // block_n) * split < PROGRAMS_PER_SM * _num_sms(device)
-                   and groups // (split * 2) >= 4 * tile and split < 8):
-                split *= 2
-            cfg = GemvConfig(block_n, tile, split, 4)
+            cfg = _tuned_config(n, k, device, qtype)
+        if cfg is None:
+            cfg = with_variant(default_gemv_config(n, k, device), variant or "default")
         _CONFIGS[key] = cfg
     return cfg
 
@@ -354,7 +464,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def reserve_tile_counters(pw: PackedWeight, config: GemvConfig | None = None) -> None:
     """Allocate ``pw``'s tile counters for up to SMALL_M_MAX rows now (before any CUDA-graph
     capture) if its products split K."""
-    cfg = config or gemv_config(pw.n, pw.k, pw.device)
+    cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
     if cfg.split_k > 1:
         _tile_counters(pw, SMALL_M_MAX * -(-pw.n // cfg.block_n))
 
@@ -382,7 +492,7 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
         out_dtype = out_dtype or x.dtype
         words, d1, sums = quantize_x(x.to(torch.bfloat16).contiguous())
     device = words.device
-    cfg = config or gemv_config(pw.n, pw.k, device)
+    cfg = config or gemv_config(pw.n, pw.k, device, pw.qtype)
     groups = pw.k // GROUP
     per_split = -(-groups // cfg.split_k)
     n_blocks = -(-pw.n // cfg.block_n)
@@ -396,7 +506,8 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
     _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                        K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
                        GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
-                       ASM=not interpreted(), num_warps=cfg.num_warps)
+                       ASM=not interpreted(), PREFETCH=cfg.prefetch, STAGES=cfg.stages, UNROLL=cfg.unroll,
+                       num_warps=cfg.num_warps)
     if cfg.split_k > 1 and not fused_sum:
         total = M * pw.n
         _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4)
@@ -571,14 +682,128 @@ if triton_enabled():
         return word, word
 
     @triton.jit
+    def _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                    pid_m, rows, mask_n, g, mask_g, K: tl.constexpr, QTYPE: tl.constexpr):
+        """Everything one tile of groups ``g`` reads, as loaded (no arithmetic), so that a
+        caller can issue it ahead of the math: (code words lo, hi [BN, TG, 4], high bits h0,
+        h1 [BN, TG], scales s0..s3 [BN, TG], x words x1a, x1b, x2a, x2b [TG, 4], d1, half sums
+        xsa, xsb [TG]). Places a type has no use for repeat a loaded value (never read).
+
+        Scales: Q4_0/Q8_0 (d, -, -, -), Q4_1 (d, m, -, -), Q4_K/Q5_K (d, dmin, sc, m),
+        Q6_K (d, sc of weights 0..15, sc of 16..31, -)."""
+        G: tl.constexpr = K // 32
+        i4 = tl.arange(0, 4)
+        mask2 = mask_n[:, None] & mask_g[None, :]                  # [BN, TG]
+        r2 = rows[:, None]
+        g2 = g[None, :]
+        lo, hi = _code_words(codes_ptr, rows, g, mask2, i4, K, QTYPE)
+        if QTYPE == 14:  # Q6_K: two high words and two scales per group
+            h0 = tl.load(high_ptr + r2 * (K // 16) + 2 * g2, mask=mask2, other=0)
+            h1 = tl.load(high_ptr + r2 * (K // 16) + 2 * g2 + 1, mask=mask2, other=0)
+            s0 = tl.load(d_ptr + r2 * (K // 256) + g2 // 8, mask=mask2, other=0)
+            s1 = tl.load(sc_ptr + r2 * (K // 16) + 2 * g2, mask=mask2, other=0)
+            s2 = tl.load(sc_ptr + r2 * (K // 16) + 2 * g2 + 1, mask=mask2, other=0)
+            s3 = s0
+        elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K
+            s0 = tl.load(d_ptr + r2 * (K // 256) + g2 // 8, mask=mask2, other=0)
+            s1 = tl.load(dmin_ptr + r2 * (K // 256) + g2 // 8, mask=mask2, other=0)
+            s2 = tl.load(sc_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
+            s3 = tl.load(m_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
+            if QTYPE == 13:  # bit e of the group's word is the 5th bit of weight e
+                h0 = tl.load(high_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
+            else:
+                h0 = s2
+            h1 = h0
+        else:  # Q4_0, Q4_1, Q8_0: one scale per 32 weights
+            s0 = tl.load(d_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
+            if QTYPE == 3:
+                s1 = tl.load(m_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
+            else:
+                s1 = s0
+            s2 = s0
+            s3 = s0
+            h0 = s0
+            h1 = s0
+        xrow = pid_m.to(tl.int64) * G + g
+        xo = xrow[:, None] * 16 + i4[None, :]
+        x1a = tl.load(xw_ptr + xo, mask=mask_g[:, None], other=0)
+        x1b = tl.load(xw_ptr + xo + 4, mask=mask_g[:, None], other=0)
+        x2a = tl.load(xw_ptr + xo + 8, mask=mask_g[:, None], other=0)
+        x2b = tl.load(xw_ptr + xo + 12, mask=mask_g[:, None], other=0)
+        d1 = tl.load(d1_ptr + xrow, mask=mask_g, other=0.0)
+        xsa = tl.load(xsum_ptr + xrow * 2, mask=mask_g, other=0.0)
+        xsb = tl.load(xsum_ptr + xrow * 2 + 1, mask=mask_g, other=0.0)
+        return lo, hi, h0, h1, s0, s1, s2, s3, x1a, x1b, x2a, x2b, d1, xsa, xsb
+
+    @triton.jit
+    def _tile_acc(acc, tile, QTYPE: tl.constexpr, ASM: tl.constexpr):
+        """``acc [BN, TG]`` plus one tile's per-group products (``tile``: ``_tile_loads``' output):
+        integer dot products of the codes with both x terms (dp4a), then
+        ``scale * (d1*i1 + d2*i2 - bias*sum(x)) + offset * sum(x)`` in fp32."""
+        lo_w, hi_w, h0, h1, s0, s1, s2, s3, x1a, x1b, x2a, x2b, d1, xsa, xsb = tile
+        i4 = tl.arange(0, 4)
+        zero3 = tl.zeros_like(lo_w)
+        # x is the same for every row: broadcast [TG, 4] -> [BN, TG, 4]
+        x1a = x1a[None, :, :] + zero3
+        x1b = x1b[None, :, :] + zero3
+        x2a = x2a[None, :, :] + zero3
+        x2b = x2b[None, :, :] + zero3
+        d1 = d1[None, :]
+        d2 = d1 / 254.0
+        xsa = xsa[None, :]
+        xsb = xsb[None, :]
+        # codes: int32 words [BN, TG, 4], bytes = weights 4i..4i+3 of each half
+        if QTYPE == 8:
+            lo = lo_w
+            hi = hi_w
+        else:           # 4-bit codes: low nibbles weights 0..15, high 16..31
+            lo = lo_w & 0x0F0F0F0F
+            hi = (lo_w >> 4) & 0x0F0F0F0F
+            if QTYPE == 13:  # Q5_K: bit e of the group's word is the 5th bit of weight e
+                hb = h0[:, :, None]
+                lo = lo | _spread4(hb >> (4 * i4[None, None, :]), 4)
+                hi = hi | _spread4(hb >> (16 + 4 * i4[None, None, :]), 4)
+            if QTYPE == 14:  # Q6_K: two words per group, 2 bits per weight
+                lo = lo | _spread2x4(h0[:, :, None] >> (8 * i4[None, None, :]))
+                hi = hi | _spread2x4(h1[:, :, None] >> (8 * i4[None, None, :]))
+        if QTYPE == 14:  # two scales per group: keep the halves apart
+            ia1 = tl.sum(_dp4a(lo, x1a, zero3, ASM), axis=2)
+            ia2 = tl.sum(_dp4a(lo, x2a, zero3, ASM), axis=2)
+            ib1 = tl.sum(_dp4a(hi, x1b, zero3, ASM), axis=2)
+            ib2 = tl.sum(_dp4a(hi, x2b, zero3, ASM), axis=2)
+            dot_a = d1 * ia1.to(tl.float32) + d2 * ia2.to(tl.float32) - 32.0 * xsa
+            dot_b = d1 * ib1.to(tl.float32) + d2 * ib2.to(tl.float32) - 32.0 * xsb
+            d = s0.to(tl.float32)
+            acc += (d * s1.to(tl.float32)) * dot_a + (d * s2.to(tl.float32)) * dot_b
+        else:
+            i1 = tl.sum(_dp4a(hi, x1b, _dp4a(lo, x1a, zero3, ASM), ASM), axis=2)
+            i2 = tl.sum(_dp4a(hi, x2b, _dp4a(lo, x2a, zero3, ASM), ASM), axis=2)
+            dot = d1 * i1.to(tl.float32) + d2 * i2.to(tl.float32)
+            xs = xsa + xsb
+            if QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
+                acc += ((s0.to(tl.float32) * s2.to(tl.float32)) * dot
+                        - (s1.to(tl.float32) * s3.to(tl.float32)) * xs)
+            else:  # Q4_0, Q4_1, Q8_0: one scale per 32 weights
+                scale = s0.to(tl.float32)
+                if QTYPE == 2:    # Q4_0: w = d * (q - 8)
+                    acc += scale * (dot - 8.0 * xs)
+                elif QTYPE == 3:  # Q4_1: w = d * q + m
+                    acc += scale * dot + s1.to(tl.float32) * xs
+                else:
+                    acc += scale * dot
+        return acc
+
+    @triton.jit
     def _gemv_kernel(xw_ptr, d1_ptr, xsum_ptr, part_ptr, out_ptr, count_ptr, codes_ptr, high_ptr, d_ptr,
                      dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
                      K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                      GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
-                     ASM: tl.constexpr):
+                     ASM: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
         """One row of x (quantized by ``_quant_groups``) against BLOCK_N weight rows over one
-        K split: per group, integer dot products of the codes with both x terms (dp4a),
-        then ``scale * (d1*i1 + d2*i2 - bias*sum(x)) + offset * sum(x)`` in fp32.
+        K split, tile by tile (``_tile_loads`` then ``_tile_acc``); the loop is plain, or with
+        PREFETCH holds the next tile's loads in registers while this tile's math runs, or is
+        pipelined by Triton (STAGES > 0), or fully unrolled (UNROLL). Every form adds the same
+        per-group products into ``acc`` in the same tile order.
 
         SPLIT == 1 stores to ``out``; else each program stores its fp32 partial in
         ``part[pid_s]``, and with LAST_SUMS the last of the tile's SPLIT programs to arrive
@@ -592,74 +817,38 @@ if triton_enabled():
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rows = offs_n.to(tl.int64)
-        i4 = tl.arange(0, 4)
         tg = tl.arange(0, TG)
         acc = tl.zeros((BLOCK_N, TG), dtype=tl.float32)
-        zero3 = tl.zeros((BLOCK_N, TG, 4), dtype=tl.int32)
         g_start = pid_s * GROUPS_PER_SPLIT
-        for t in range(0, GROUPS_PER_SPLIT, TG):
-            g = g_start + t + tg                                    # [TG]
-            mask_g = (g < G) & (t + tg < GROUPS_PER_SPLIT)
-            mask2 = mask_n[:, None] & mask_g[None, :]              # [BN, TG]
-            cur_lo, cur_hi = _code_words(codes_ptr, rows, g, mask2, i4, K, QTYPE)
-            # x: words [TG, 4] per term and half, d1 [TG], half sums [TG]
-            xrow = pid_m.to(tl.int64) * G + g
-            xo = xrow[:, None] * 16 + i4[None, :]
-            x1a = tl.load(xw_ptr + xo, mask=mask_g[:, None], other=0)[None, :, :] + zero3
-            x1b = tl.load(xw_ptr + xo + 4, mask=mask_g[:, None], other=0)[None, :, :] + zero3
-            x2a = tl.load(xw_ptr + xo + 8, mask=mask_g[:, None], other=0)[None, :, :] + zero3
-            x2b = tl.load(xw_ptr + xo + 12, mask=mask_g[:, None], other=0)[None, :, :] + zero3
-            d1 = tl.load(d1_ptr + xrow, mask=mask_g, other=0.0)[None, :]
-            d2 = d1 / 254.0
-            xsa = tl.load(xsum_ptr + xrow * 2, mask=mask_g, other=0.0)[None, :]
-            xsb = tl.load(xsum_ptr + xrow * 2 + 1, mask=mask_g, other=0.0)[None, :]
-            # codes: int32 words [BN, TG, 4], bytes = weights 4i..4i+3 of each half
-            if QTYPE == 8:
-                lo = cur_lo
-                hi = cur_hi
-            else:           # 4-bit codes: low nibbles weights 0..15, high 16..31
-                lo = cur_lo & 0x0F0F0F0F
-                hi = (cur_lo >> 4) & 0x0F0F0F0F
-                if QTYPE == 13:  # Q5_K: bit e of the group's word is the 5th bit of weight e
-                    hb = tl.load(high_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0)[:, :, None]
-                    lo = lo | _spread4(hb >> (4 * i4[None, None, :]), 4)
-                    hi = hi | _spread4(hb >> (16 + 4 * i4[None, None, :]), 4)
-                if QTYPE == 14:  # Q6_K: two words per group, 2 bits per weight
-                    h0 = tl.load(high_ptr + rows[:, None] * (K // 16) + 2 * g[None, :], mask=mask2, other=0)[:, :, None]
-                    h1 = tl.load(high_ptr + rows[:, None] * (K // 16) + 2 * g[None, :] + 1, mask=mask2, other=0)[:, :, None]
-                    lo = lo | _spread2x4(h0 >> (8 * i4[None, None, :]))
-                    hi = hi | _spread2x4(h1 >> (8 * i4[None, None, :]))
-            if QTYPE == 14:  # two scales per group: keep the halves apart
-                ia1 = tl.sum(_dp4a(lo, x1a, zero3, ASM), axis=2)
-                ia2 = tl.sum(_dp4a(lo, x2a, zero3, ASM), axis=2)
-                ib1 = tl.sum(_dp4a(hi, x1b, zero3, ASM), axis=2)
-                ib2 = tl.sum(_dp4a(hi, x2b, zero3, ASM), axis=2)
-                dot_a = d1 * ia1.to(tl.float32) + d2 * ia2.to(tl.float32) - 32.0 * xsa
-                dot_b = d1 * ib1.to(tl.float32) + d2 * ib2.to(tl.float32) - 32.0 * xsb
-                d = tl.load(d_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
-                sa = tl.load(sc_ptr + rows[:, None] * (K // 16) + 2 * g[None, :], mask=mask2, other=0).to(tl.float32)
-                sb = tl.load(sc_ptr + rows[:, None] * (K // 16) + 2 * g[None, :] + 1, mask=mask2, other=0).to(tl.float32)
-                acc += (d * sa) * dot_a + (d * sb) * dot_b
-            else:
-                i1 = tl.sum(_dp4a(hi, x1b, _dp4a(lo, x1a, zero3, ASM), ASM), axis=2)
-                i2 = tl.sum(_dp4a(hi, x2b, _dp4a(lo, x2a, zero3, ASM), ASM), axis=2)
-                dot = d1 * i1.to(tl.float32) + d2 * i2.to(tl.float32)
-                xs = xsa + xsb
-                if QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
-                    d = tl.load(d_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
-                    dmin = tl.load(dmin_ptr + rows[:, None] * (K // 256) + g[None, :] // 8, mask=mask2, other=0).to(tl.float32)
-                    sc = tl.load(sc_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
-                    mn = tl.load(m_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
-                    acc += (d * sc) * dot - (dmin * mn) * xs
-                else:  # Q4_0, Q4_1, Q8_0: one scale per 32 weights
-                    scale = tl.load(d_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
-                    if QTYPE == 2:    # Q4_0: w = d * (q - 8)
-                        acc += scale * (dot - 8.0 * xs)
-                    elif QTYPE == 3:  # Q4_1: w = d * q + m
-                        mn = tl.load(m_ptr + rows[:, None] * (K // 32) + g[None, :], mask=mask2, other=0).to(tl.float32)
-                        acc += scale * dot + mn * xs
-                    else:
-                        acc += scale * dot
+        if PREFETCH:
+            # tile t+1's loads go out before tile t's math; past the last tile they are all masked
+            nxt = _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                              pid_m, rows, mask_n, g_start + tg, (g_start + tg < G) & (tg < GROUPS_PER_SPLIT),
+                              K, QTYPE)
+            for t in range(0, GROUPS_PER_SPLIT, TG):
+                cur = nxt
+                g = g_start + t + TG + tg
+                nxt = _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                                  pid_m, rows, mask_n, g, (g < G) & (t + TG + tg < GROUPS_PER_SPLIT), K, QTYPE)
+                acc = _tile_acc(acc, cur, QTYPE, ASM)
+        elif UNROLL:
+            for t in tl.static_range(0, GROUPS_PER_SPLIT, TG):
+                g = g_start + t + tg
+                acc = _tile_acc(acc, _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr,
+                                                 sc_ptr, m_ptr, pid_m, rows, mask_n, g,
+                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
+        elif STAGES > 0:
+            for t in tl.range(0, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
+                g = g_start + t + tg
+                acc = _tile_acc(acc, _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr,
+                                                 sc_ptr, m_ptr, pid_m, rows, mask_n, g,
+                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
+        else:
+            for t in range(0, GROUPS_PER_SPLIT, TG):
+                g = g_start + t + tg
+                acc = _tile_acc(acc, _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr,
+                                                 sc_ptr, m_ptr, pid_m, rows, mask_n, g,
+                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
         y = tl.sum(acc, axis=1)                                     # [BN]
         row_offs = pid_m.to(tl.int64) * stride_om + offs_n
         if SPLIT == 1:

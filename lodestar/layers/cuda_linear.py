@@ -11,7 +11,10 @@ Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K  ``CudaQuantLinear``: GGUF blocks repacked on
                                     quantized already: ``QuantizedRows`` from a fused
                                     RMSNorm or activation), more rows dequantize to
                                     bf16 and run one cuBLAS matmul
-F16, BF16, F32                      ``CudaDenseLinear`` over a bf16 copy
+F16, BF16, F32                      ``CudaDenseLinear`` over a bf16 copy (one bf16
+                                    row runs the Triton matrix-vector kernel, which
+                                    may compute x itself: ``PendingNorm`` or
+                                    ``PendingGlu`` from ``triton_dense``)
 Q5_0, Q5_1, Q2_K, Q3_K              ``CudaDenseLinear`` dequantized to bf16 at load
 ==================================  ===============================================
 
@@ -93,8 +96,19 @@ def takes_quantized_input(module: object) -> bool:
     return isinstance(module, CudaQuantLinear)
 
 
+def takes_pending_input(module: object, x: torch.Tensor) -> bool:
+    """Whether ``module`` runs rows like ``x`` (the residual stream: row count, dtype,
+    device) through the dense matrix-vector kernel and is small enough
+    (``triton_dense.FUSE_MAX_WEIGHT``) that the RMSNorm or gated activation feeding it is
+    best left to that kernel (``triton_dense.PendingNorm`` / ``PendingGlu``)."""
+    return (isinstance(module, CudaDenseLinear) and module.weight.numel() <= _td.FUSE_MAX_WEIGHT
+            and module.runs_gemv(x))
+
+
 class CudaDenseLinear(nn.Module):
-    """``y = x @ W.T`` with W dense (bf16 or fp32); y in x's dtype."""
+    """``y = x @ W.T`` with W dense (bf16 or fp32); y in x's dtype. ``x`` may also be a
+    ``triton_dense.PendingNorm`` / ``PendingGlu``, computed inside the matrix-vector kernel
+    when it runs (else materialized first)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -106,11 +120,20 @@ class CudaDenseLinear(nn.Module):
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def runs_gemv(self, x: torch.Tensor) -> bool:
+        """Rows like ``x`` go through the Triton matrix-vector kernel (one-row bf16 decode:
+        cuBLAS's costs ~2x on small matrices)."""
+        return (x.is_cuda and x.dtype == self.weight.dtype == torch.bfloat16
+                and x.numel() <= _td.MAX_ROWS * x.shape[-1] and _td.enabled())
+
+    def forward(self, x) -> torch.Tensor:
+        if isinstance(x, (_td.PendingNorm, _td.PendingGlu)):
+            rows = x.x if isinstance(x, _td.PendingNorm) else x.gate
+            if rows.dim() == 2 and self.runs_gemv(rows):
+                return _td.dense_gemv(x, self.weight, config=self.gemv_config)
+            x = x.materialize()
         if x.dtype == self.weight.dtype:
-            if (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() <= _td.MAX_ROWS * self.in_features
-                    and _td.enabled()):
-                # one-row decode: a Triton matrix-vector kernel (cuBLAS's costs ~2x on small matrices)
+            if self.runs_gemv(x):
                 x2 = x.reshape(-1, self.in_features)
                 y = _td.dense_gemv(x2, self.weight, config=self.gemv_config)
                 return y.view(*x.shape[:-1], self.out_features)

@@ -34,6 +34,17 @@ class RMSNorm(nn.Module):
         h = x + delta
         return h, self(h)
 
+    def pending(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        """``add_norm`` (or, without ``delta``, ``(x, norm(x))``) with the norm left to the dense
+        matrix-vector kernel that reads it (``triton_dense.PendingNorm``; GPU, bf16 rows).
+        That kernel also writes ``h``, so it must run before ``h`` is read."""
+        from lodestar.kernels.triton_dense import PendingNorm
+        if delta is None:
+            p = PendingNorm.of(x, self.weight, self.eps)
+        else:
+            p = PendingNorm.of(delta, self.weight, self.eps, residual=x)
+        return p.h, p
+
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma-style RMSNorm: ``(x / rms(x)) * (1 + w)``.
@@ -62,3 +73,7 @@ class OffsetRMSNorm(RMSNorm):
             return h, y
         h = x + delta
         return h, self(h)
+
+    def pending(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        raise NotImplementedError("the dense matrix-vector kernel fuses the Llama-form RMSNorm only; "
+                                  "call add_norm")

@@ -149,18 +149,29 @@ class LlamaBlock(nn.Module):
 
         ``delta`` is the previous block's MLP output not yet added to ``x`` (None if it was);
         the first norm adds it. Returns ``(h, mlp_out)``: the block's output is their sum, which
-        the caller adds, or leaves to the next norm. Every fusion gives the same bits."""
+        the caller adds, or leaves to the next norm. Every fusion gives the same bits. With
+        ``dense_norm`` the residual stream ``x``/``h`` is written by the projection that fuses
+        the norm, so it is read only after that projection ran."""
         from lodestar.kernels.triton_quant import quantizable
-        from lodestar.layers.cuda_linear import takes_quantized_input
+        from lodestar.layers.cuda_linear import takes_pending_input, takes_quantized_input
         quant = "quant" in fuse and x.dtype == torch.bfloat16
         q_attn = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.attn.qkv)
         q_mlp = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.mlp.gate_up)
         q_down = quant and quantizable(x.shape[0], self.mlp.ffn_dim) and takes_quantized_input(self.mlp.down)
-        if delta is None:
+        # small dense one-row projections compute the norm feeding them themselves
+        n_attn = "dense_norm" in fuse and takes_pending_input(self.attn.qkv, x)
+        n_mlp = "dense_norm" in fuse and takes_pending_input(self.mlp.gate_up, x)
+        if n_attn:
+            x, xn = self.attn_norm.pending(x, delta)
+        elif delta is None:
             xn = self.attn_norm(x, quantize=q_attn)
         else:
             x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn)
-        h, y = self.ffn_norm.add_norm(x, self.attn(xn, positions, batch), quantize=q_mlp)
+        attn_out = self.attn(xn, positions, batch)
+        if n_mlp:
+            h, y = self.ffn_norm.pending(x, attn_out)
+        else:
+            h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp)
         return h, self.mlp(y, quantize=q_down)
 
 

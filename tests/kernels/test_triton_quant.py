@@ -96,3 +96,73 @@ def test_large_m_path_dequantizes_then_matmuls():
 def test_unsupported_type_names_the_supported_ones():
     with pytest.raises(ValueError, match="no GPU kernel for Q3_K; kernels exist for Q4_0, Q4_1, Q8_0"):
         tq.pack(tq.T.Q3_K, torch.zeros(1, 110, dtype=torch.uint8), 1, 256)
+
+
+VARIANTS = [pytest.param(name, id=name) for name in tq.GEMV_VARIANTS]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_loop_variants_match_reference_and_batch(qtype, variant, monkeypatch):
+    """Every loop variant over a K split in 2 (12 groups each: the second tile of 8 is partly
+    masked) and a partial row block: within the default's tolerance of the reference, a row
+    alone gives the bits it gives in a batch of 3, and the split's tile counters end at 0."""
+    dev = kernel_device()
+    monkeypatch.setenv("LODESTAR_FUSE", "1")
+    n, k = 40, 768
+    data = random_gguf(qtype, n, k, seed=13)
+    pw = tq.pack(qtype, data.to(dev), n, k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    cfg = tq.with_variant(tq.GemvConfig(block_n=16, tile_groups=8, split_k=2, num_warps=4), variant)
+    got = tq.quant_matmul(x.to(dev), pw, torch.float32, config=cfg).cpu()
+    want = F.linear(x.float(), dequantize(data, qtype, (n, k)))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    alone = tq.quant_matmul(x[1:2].to(dev), pw, torch.float32, config=cfg).cpu()
+    assert torch.equal(got[1:2].view(torch.int32), alone.view(torch.int32))
+    assert not pw.tile_counters.any()
+
+
+def test_gemv_config_takes_a_variant_a_full_override_or_a_table(monkeypatch, tmp_path):
+    dev = torch.device("cpu")
+    rule = tq.default_gemv_config(4096, 4096, dev)
+    monkeypatch.delenv("LODESTAR_GEMV", raising=False)
+    monkeypatch.delenv("LODESTAR_GEMV_TABLE", raising=False)
+    monkeypatch.setenv("LODESTAR_GEMV_VARIANT", "prefetch")
+    assert tq.gemv_config(4096, 4096, dev) == tq.GemvConfig(rule.block_n, rule.tile_groups, rule.split_k,
+                                                            rule.num_warps, prefetch=True)
+    monkeypatch.setenv("LODESTAR_GEMV_VARIANT", "fastest")
+    with pytest.raises(ValueError, match="use one of default, prefetch"):
+        tq.gemv_config(4096, 4096, dev)
+    monkeypatch.delenv("LODESTAR_GEMV_VARIANT")
+    table = tmp_path / "gemv.json"
+    table.write_text('{"table": {"4096,4096": "32,8,2,8,0,3,0", "Q4_K:4096,4096": "16,16,1,2,0,0,1"}}')
+    monkeypatch.setenv("LODESTAR_GEMV_TABLE", str(table))
+    assert tq.gemv_config(4096, 4096, dev) == tq.GemvConfig(32, 8, 2, 8, stages=3)
+    assert tq.gemv_config(4096, 4096, dev, tq.T.Q4_0) == tq.GemvConfig(32, 8, 2, 8, stages=3)
+    assert tq.gemv_config(4096, 4096, dev, tq.T.Q4_K) == tq.GemvConfig(16, 16, 1, 2, unroll=True)
+    assert tq.gemv_config(6144, 4096, dev) == tq.default_gemv_config(6144, 4096, dev)   # not in the table
+    monkeypatch.setenv("LODESTAR_GEMV", "16,16,1,4")
+    assert tq.gemv_config(4096, 4096, dev) == tq.GemvConfig(16, 16, 1, 4)
+    for cfg in (tq.GemvConfig(32, 8, 4, 8, stages=2), tq.GemvConfig(8, 16, 1, 2, prefetch=True),
+                tq.GemvConfig(16, 16, 2, 4, unroll=True)):
+        assert tq.parse_gemv_config(tq.config_text(cfg)) == cfg
+    with pytest.raises(ValueError, match="set one of them"):
+        tq.GemvConfig(16, 16, 1, 4, prefetch=True, unroll=True)
+
+
+def test_shipped_tuned_table_is_well_formed():
+    """Every entry of gemv_tuned.json names a GPU type and an [n, k] shape, and parses to a
+    tiling the kernel accepts (power-of-two tiles, a loop form at most)."""
+    import json
+    table = json.loads(tq.TUNED_TABLE.read_text())
+    devices = {k: v for k, v in table.items() if not k.startswith("_")}
+    assert devices
+    names = {t.name for t in tq.GPU_QUANT_TYPES}
+    for entries in devices.values():
+        for key, text in entries.items():
+            qtype, shape = key.split(":")
+            n, k = (int(v) for v in shape.split(","))
+            assert qtype in names and n > 0 and k % 32 == 0
+            cfg = tq.parse_gemv_config(text)
+            assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.tile_groups & (cfg.tile_groups - 1) == 0
+            assert int(cfg.prefetch) + int(cfg.stages > 0) + int(cfg.unroll) <= 1

@@ -1,0 +1,165 @@
+"""Producer fusions of the dense matrix-vector kernel give the same bits as the unfused
+kernels: RMSNorm (with its residual add) computed in the kernel's prologue
+(``PendingNorm``, fusion ``dense_norm``) against ``rms_norm`` then the kernel, and the gated
+activation computed in its x loads (``PendingGlu``) against ``silu_mul`` / ``gelu_tanh_mul``
+then the kernel. Also: ``rms_norm`` spread over several programs per row gives the bits of one.
+
+Runs on a CUDA device, or on the CPU under TRITON_INTERPRET=1 (see triton_helpers); there
+the weights keep their real K but only 20 rows, to bound the interpreter's time. The last
+test runs a small synthetic Llama on CUDA only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from triton_helpers import kernel_device
+
+from lodestar.kernels import triton_dense as td
+from lodestar.kernels import triton_fused as tf
+
+# tilings: the H200 rule's shape, a K split (each split normalizes its own columns) and
+# other warp counts (the sum-of-squares order must not depend on the layout)
+CONFIGS = [pytest.param(None, id="rule"), pytest.param(td.DenseGemvConfig(4, 128, 2, 4), id="split2"),
+           pytest.param(td.DenseGemvConfig(8, 256, 1, 8), id="warps8"),
+           pytest.param(td.DenseGemvConfig(2, 256, 3, 2), id="split3-warps2")]
+EPS = 1e-5
+
+
+def _rows(n: int, dev: str) -> int:
+    return n if dev == "cuda" else 20
+
+
+def _x(m: int, k: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * scale
+    x[:, 3] = 0.0
+    x[:, 7] *= 300.0                                  # one large element dominates the sum
+    return x.to(torch.bfloat16)
+
+
+def _weight(n: int, k: int, seed: int, dev: str) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16).to(dev)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                                              b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("k,n", [(576, 960), (4096, 6144), (1000, 300)], ids=["smollm2_qkv", "8b_qkv", "odd"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_norm_in_the_gemv_gives_the_bits_of_norm_then_gemv(k, n, residual, cfg):
+    dev = kernel_device()
+    cfg = cfg or td.config_for(n, k)
+    w = _weight(_rows(n, dev), k, seed=k, dev=dev)
+    norm_w = (torch.rand(k, generator=torch.Generator().manual_seed(1)) + 0.5).to(dev)
+    for m in (1, 3):
+        x = _x(m, k, seed=m).to(dev)
+        r = _x(m, k, seed=50 + m, scale=1.0).to(dev) if residual else None
+        if residual:
+            y, h = tf.rms_norm(x, norm_w, EPS, residual=r)
+        else:
+            y, h = tf.rms_norm(x, norm_w, EPS), x
+        pending = td.PendingNorm.of(x, norm_w, EPS, residual=r)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            want = td.dense_gemv(y, w, out_dtype, cfg)
+            got = td.dense_gemv(pending, w, out_dtype, cfg)
+            assert _same_bits(got, want), (m, out_dtype)
+        assert _same_bits(pending.h, h), m                   # the residual stream, written once
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("f,n", [(1536, 576), (14336, 4096), (1000, 300)], ids=["smollm2_down", "8b_down", "odd"])
+@pytest.mark.parametrize("act", [td.SILU, td.GELU_TANH], ids=["silu", "gelu_tanh"])
+def test_gated_activation_in_the_gemv_gives_the_bits_of_activation_then_gemv(f, n, act, cfg):
+    dev = kernel_device()
+    cfg = cfg or td.config_for(n, f)
+    fn = tf.silu_mul if act == td.SILU else tf.gelu_tanh_mul
+    w = _weight(_rows(n, dev), f, seed=f, dev=dev)
+    for m in (1, 2):
+        gu = _x(m, 2 * f, seed=m, scale=4.0).to(dev)
+        gate, up = gu.split(f, dim=-1)                  # halves of one fused output, as in the MLP
+        for out_dtype in (torch.float32, torch.bfloat16):
+            want = td.dense_gemv(fn(gate, up), w, out_dtype, cfg)
+            got = td.dense_gemv(td.PendingGlu(gate, up, act), w, out_dtype, cfg)
+            assert _same_bits(got, want), (m, out_dtype)
+
+
+def test_pending_inputs_materialize_to_the_unfused_results():
+    dev = kernel_device()
+    x, r = _x(1, 576, seed=1).to(dev), _x(1, 576, seed=2).to(dev)
+    norm_w = torch.rand(576).to(dev) + 0.5
+    pending = td.PendingNorm.of(x, norm_w, EPS, residual=r)
+    y, h = tf.rms_norm(x, norm_w, EPS, residual=r)
+    assert torch.equal(pending.materialize(), y) and torch.equal(pending.h, h)
+    gate, up = _x(1, 3072, seed=3).to(dev).split(1536, dim=-1)
+    assert torch.equal(td.PendingGlu(gate, up).materialize(), tf.silu_mul(gate, up))
+
+
+def test_fused_x_needs_bf16_rows():
+    dev = kernel_device()
+    w = _weight(8, 64, seed=0, dev=dev)
+    with pytest.raises(ValueError, match="bf16"):
+        td.dense_gemv(td.PendingNorm.of(torch.ones(1, 64, device=dev), torch.ones(64, device=dev), EPS), w)
+
+
+@pytest.mark.parametrize("d", [576, 1000, 4096, 5120])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_over_several_programs_per_row_gives_the_bits_of_one(d, residual, monkeypatch):
+    dev = kernel_device()
+    w = (torch.rand(d, generator=torch.Generator().manual_seed(d)) + 0.5).to(dev)
+    x = _x(2, d, seed=d).to(dev)
+    r = _x(2, d, seed=d + 1, scale=1.0).to(dev) if residual else None
+    monkeypatch.setattr(tf, "SLICE_COLS", 256)               # as many programs per row as it can
+    sliced = tf.rms_norm(x, w, EPS, residual=r, quantize=d % 32 == 0)
+    monkeypatch.setattr(tf, "SLICE_ROWS", 0)                 # one program per row
+    whole = tf.rms_norm(x, w, EPS, residual=r, quantize=d % 32 == 0)
+    flat = lambda out: [t for o in (out if residual else (out,)) for t in
+                        ((o.x, o.words, o.d1, o.sums) if hasattr(o, "words") else (o,))]
+    for a, b in zip(flat(sliced), flat(whole)):
+        assert _same_bits(a, b)
+    y = flat(whole)[0]
+    want = tf.rms_norm_ref(x, w, EPS, residual=r)
+    torch.testing.assert_close(y.float(), (want[0] if residual else want).float(),
+                               rtol=8e-3 if dev == "cuda" else 1.6e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, monkeypatch):
+    """SmolLM2-135M's geometry in F16 (dense bf16 projections, one-row decode): prefill, then
+    teacher-forced decode; every logit the same bits with all fusions on and off."""
+    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
+    from lodestar.engine.loader import LoadedModel
+    from lodestar.engine.sequence import Sequence
+    from lodestar.formats.synthetic import SyntheticCheckpoint, synthetic_tokenizer_metadata
+    from lodestar.layers.cuda_linear import CudaDenseLinear
+    from lodestar.models import build_model
+    from lodestar.tokenizer import Tokenizer
+
+    ck = SyntheticCheckpoint("smollm2-135m", "F16", device="cuda", n_layers=4)
+    model = build_model(ck.config, ck, "packed", device="cuda")
+    assert isinstance(model.layers[0].attn.qkv, CudaDenseLinear)        # the fused path applies
+    tok = Tokenizer.from_metadata(synthetic_tokenizer_metadata(ck.config.vocab_size))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, ck.config.vocab_size, (19,), generator=g).tolist()
+    forced = torch.randint(10, ck.config.vocab_size, (12,), generator=g).tolist()
+
+    def run(fuse: str) -> torch.Tensor:
+        monkeypatch.setenv("LODESTAR_FUSE", fuse)
+        engine = LLMEngine(LoadedModel(Path("synthetic"), ck, ck.config, model, tok, "packed", 0.0, "cuda"),
+                           EngineConfig(max_num_seqs=1, kv_tokens=1024, device="cuda"))
+        engine.runner.cuda_graphs = graphs
+        seq = Sequence(1, list(prompt), None)
+        rows = [engine.runner.run([seq], [len(prompt)])[0].float().clone()]
+        for t in forced:
+            seq.output_ids.append(t)
+            rows.append(engine.runner.run([seq], [1])[0].float().clone())
+        engine.pool.free(seq.block_table)
+        return torch.stack(rows)
+
+    fused, unfused = run("1"), run("0")
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused.view(torch.int32), unfused.view(torch.int32))
