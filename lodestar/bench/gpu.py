@@ -28,6 +28,7 @@ Stages:
           decode tok/s (SmolLM2 and 8B, F16 and Q4_0; LODESTAR_FUSE_CELLS="geometry/type ...")
   dense   bf16 matrix-vector at M = 1: cuBLAS vs the Triton kernel (tiling sweep)
   densegemv  decode with bf16 weights, the layers' Triton matrix-vector kernel off vs on
+  prefill 8B F16 prefill 512 / 4096: wall vs GPU time of the step, fusions off and on
   overlap overlapped decode off vs on, one engine, runs interleaved: same greedy tokens,
           decode tok/s at 1 and 8 streams (SmolLM2 F16, 8B F16, 8B Q4_0)
   tp      tensor parallelism (needs 2 GPUs): Llama-3.1-8B bf16 single-stream decode and
@@ -805,6 +806,39 @@ def stage_overlap(r: Results) -> None:
         r.cell(f"{geometry}-{qtype}", cell, 40)
 
 
+def stage_prefill(r: Results) -> None:
+    """8B F16 prefill of 512 and 4096 tokens: wall time to the first token vs the GPU time
+    of the same step (CUDA events around ``engine.step``), 8 runs each, decode fusions off
+    and on, so a slow prefill is split into host time and kernel time."""
+    from lodestar.engine.sampling import SamplingParams
+    engine, _, _ = synthetic_engine("llama-3.1-8b", "F16", max_len=8192)
+    vocab = engine.loaded.config.vocab_size
+    for fuse in ("0", "1"):
+        for length in (512, 4096):
+            def cell(fuse=fuse, length=length):
+                os.environ["LODESTAR_FUSE"] = fuse
+                p = prompts(1, length, vocab, seed=SEED + length)[0]
+                walls, gpus = [], []
+                for i in range(9):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+                    a.record()
+                    while engine.has_unfinished():
+                        engine.step()
+                    b.record()
+                    b.synchronize()
+                    if i:
+                        walls.append(length / (time.perf_counter() - t0))
+                        gpus.append(length / (a.elapsed_time(b) / 1e3))
+                os.environ.pop("LODESTAR_FUSE", None)
+                return {"wall_tok_s": stat(walls, 1), "gpu_tok_s": stat(gpus, 1)}
+            r.cell(f"llama-3.1-8b-F16/prefill_{length}/fuse_{fuse}", cell, 8)
+    del engine
+    release()
+
+
 def stage_densegemv(r: Results) -> None:
     """Decode with bf16 weights, the layers' Triton matrix-vector kernel off vs on
     (``LODESTAR_DENSE_GEMV=0/1``, one engine each): decode tok/s, and whether greedy tokens
@@ -984,7 +1018,7 @@ def stage_tp70(r: Results) -> None:
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
           "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
-          "densegemv": stage_densegemv, "overlap": stage_overlap}
+          "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill}
 
 
 def main(argv: list[str] | None = None) -> int:
