@@ -387,7 +387,7 @@ class LLMEngine:
         """The next step would decode exactly these rows again, greedily: reserve their next
         blocks (without preempting anyone) and say yes."""
         cfg = self.config
-        if len(seqs) != len(self.running) or any(s.is_finished for s in seqs):
+        if not self.overlap or len(seqs) != len(self.running) or any(s.is_finished for s in seqs):
             return False
         if self.waiting and len(self.running) < cfg.max_num_seqs:
             return False              # a waiting request may fit: let the scheduler see it

@@ -117,3 +117,22 @@ def test_sampled_or_logprob_rows_run_step_by_step(model):
 
 def test_overlap_is_off_by_default_on_the_cpu(model):
     assert not _engine(model, None).overlap
+
+
+def test_turning_overlap_off_finishes_the_queued_step_first(model):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = _run(_engine(model, False), [PROMPTS[0]], [params])[0][0]
+    e = _engine(model, True)
+    e.add_request(PROMPTS[0], params)
+    got = []
+    for _ in range(6):
+        for out in e.step():
+            got += out.token_ids
+    assert e._inflight is not None
+    e.overlap = False
+    launched = e.stats["overlapped_steps"]
+    while e.has_unfinished() or e._inflight is not None:
+        for out in e.step():
+            got += out.token_ids
+    assert got == want
+    assert e.stats["overlapped_steps"] == launched      # nothing queued after the switch
