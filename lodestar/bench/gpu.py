@@ -28,7 +28,7 @@ Stages:
           decode tok/s (SmolLM2 and 8B, F16 and Q4_0; LODESTAR_FUSE_CELLS="geometry/type ...")
   dense   bf16 matrix-vector at M = 1: cuBLAS vs the Triton kernel (tiling sweep)
   densegemv  decode with bf16 weights, the layers' Triton matrix-vector kernel off vs on
-  prefill 8B F16 prefill 512 / 4096: wall vs GPU time of the step, fusions off and on
+  prefill 8B F16 prefill 512 / 4096: wall vs CUDA-event time around the step, fusions off and on
   overlap overlapped decode off vs on, one engine, runs interleaved: same greedy tokens,
           decode tok/s at 1 and 8 streams (SmolLM2 F16, 8B F16, 8B Q4_0)
   tp      tensor parallelism (needs 2 GPUs): Llama-3.1-8B bf16 single-stream decode and
@@ -807,9 +807,9 @@ def stage_overlap(r: Results) -> None:
 
 
 def stage_prefill(r: Results) -> None:
-    """8B F16 prefill of 512 and 4096 tokens: wall time to the first token vs the GPU time
-    of the same step (CUDA events around ``engine.step``), 8 runs each, decode fusions off
-    and on, so a slow prefill is split into host time and kernel time."""
+    """8B F16 prefill of 512 and 4096 tokens: wall time to the first token vs the time
+    between CUDA events recorded around the engine's steps (which also counts GPU idle
+    while the host works), 8 runs each, decode fusions off and on."""
     from lodestar.engine.sampling import SamplingParams
     engine, _, _ = synthetic_engine("llama-3.1-8b", "F16", max_len=8192)
     vocab = engine.loaded.config.vocab_size
