@@ -3,6 +3,9 @@
 #
 #   OUT=/some/dir bash scripts/device_bench.sh          # from the repository root
 #
+# A snapshot exported with `git archive` should carry its commit in a COMMIT file (the
+# results record it): git archive HEAD | tar -x -C DIR && git rev-parse --short HEAD > DIR/COMMIT
+#
 # Uses the machine's python3 and torch. Python packages the machine lacks (gguf, pyyaml,
 # jinja2, tqdm, pytest, ...) are installed from wheels in .whl/ when that folder was
 # carried along; the package itself runs from the source tree (PYTHONPATH).

@@ -42,8 +42,13 @@ def timed(fn) -> tuple[float, object]:
 
 
 def git_commit() -> str:
+    """Short commit of the source tree ("+dirty" with local changes); a tree exported
+    without git history (``git archive``) names its commit in a ``COMMIT`` file."""
+    root = Path(__file__).resolve().parents[2]
+    stamp = root / "COMMIT"
+    if stamp.is_file():
+        return stamp.read_text().strip()[:12] or "unknown"
     try:
-        root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=5)
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],

@@ -289,22 +289,9 @@ def stage_env(r: Results) -> None:
                 "commit": git_commit()}
 
     def copy_bandwidth():
+        from lodestar.bench.gemv_variants import copy_bandwidth as measure
         n = 2 << 30
-        a = torch.empty(n, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
-        a.fill_(1)
-        for _ in range(3):
-            b.copy_(a)
-        times = []
-        for _ in range(7):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            b.copy_(a)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        bw = 2 * n / statistics.median(times)
-        del a, b
+        bw = measure("cuda", 14)["bytes_per_s"]      # median of 7 copies
         release()
         return {"bytes": n, "bytes_per_s": bw, "gb_per_s": round(bw / 1e9, 1),
                 "note": "read + write bytes of a 2 GiB device copy, median of 7"}
