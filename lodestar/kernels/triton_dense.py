@@ -328,24 +328,33 @@ if triton is not None:
                              mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc += wv.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)
-        offs = row.to(tl.int64) * N + rows
+        _store_split(y, part_ptr, out_ptr, count_ptr, row * tl.num_programs(1) + pid_n, row.to(tl.int64) * N + rows,
+                     mask_n, stride_split, pid_k, SPLIT, LAST_SUMS)
+
+    @triton.jit
+    def _store_split(y, part_ptr, out_ptr, count_ptr, tile, offs, mask, stride_split, pid_split,
+                     SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr):
+        """Store a program's fp32 result ``y`` at ``offs``: into ``out`` (one split), else into
+        ``part[pid_split]`` (``stride_split`` apart) and, with LAST_SUMS, the last of the
+        output tile's SPLIT programs to arrive (``count_ptr[tile]``) adds ``part[0] + part[1]
+        + ...`` in that order into ``out`` (the separate sum kernels' bits) and zeroes the
+        counter, so CUDA-graph replays find it at 0."""
         if SPLIT == 1:
-            tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
-        else:   # partials: [SPLIT, M, N] fp32, ``stride_split`` = M * N
-            tl.store(part_ptr + pid_k * stride_split + offs, y, mask=mask_n)
+            tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptr + pid_split * stride_split + offs, y, mask=mask)
             if LAST_SUMS:
                 # every thread's partial is stored before the counter moves (barrier, then a
                 # release); the last arrival reads the others' partials from L2 after its acquire
                 tl.debug_barrier()
-                tile = row * tl.num_programs(1) + pid_n
                 arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
                 if arrived == SPLIT - 1:
                     tl.debug_barrier()
-                    total = tl.load(part_ptr + offs, mask=mask_n, other=0.0, cache_modifier=".cg")
+                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
                     for s in tl.static_range(1, SPLIT):
-                        total += tl.load(part_ptr + s * stride_split + offs, mask=mask_n, other=0.0,
+                        total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0,
                                          cache_modifier=".cg")
-                    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+                    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
                     tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit

@@ -540,6 +540,8 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
+    from lodestar.kernels.triton_dense import _store_split
+
     @triton.jit
     def _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr):
         """Integer codes of group ``g`` for ``rows``: (weights 0..15, weights 16..31), int32 [BN, 16]."""
@@ -850,25 +852,8 @@ if triton_enabled():
                                                  sc_ptr, m_ptr, pid_m, rows, mask_n, g,
                                                  (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
         y = tl.sum(acc, axis=1)                                     # [BN]
-        row_offs = pid_m.to(tl.int64) * stride_om + offs_n
-        if SPLIT == 1:
-            tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
-        else:
-            tl.store(part_ptr + pid_s * stride_split + row_offs, y, mask=mask_n)
-            if LAST_SUMS:
-                # Every thread's partial is stored before the counter moves (barrier, then a
-                # release); the last arrival reads the others' partials from L2 after its acquire.
-                tl.debug_barrier()
-                tile = pid_m * tl.num_programs(1) + pid_n
-                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT - 1:
-                    tl.debug_barrier()
-                    total = tl.load(part_ptr + row_offs, mask=mask_n, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLIT):
-                        total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        _store_split(y, part_ptr, out_ptr, count_ptr, pid_m * tl.num_programs(1) + pid_n,
+                     pid_m.to(tl.int64) * stride_om + offs_n, mask_n, stride_split, pid_s, SPLIT, LAST_SUMS)
 
     @triton.jit
     def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
