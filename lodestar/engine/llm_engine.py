@@ -143,11 +143,10 @@ class LLMEngine:
         self.requests: dict[int, Sequence] = {}
         self._skip_ids = frozenset(self.tokenizer.special_ids)
         self._inflight: PendingDecode | None = None
-        runner = self.runner
         overlap = cfg.overlap_decode
         if overlap is None:
-            overlap = world == 1 and self.device.type == "cuda" and cfg.cuda_graphs
-        self.overlap = bool(overlap) and world == 1 and runner.can_overlap
+            overlap = self.device.type == "cuda" and cfg.cuda_graphs
+        self.overlap = bool(overlap) and world == 1 and self.runner.can_overlap
 
     # -- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:

@@ -368,15 +368,19 @@ def with_variant(cfg: GemvConfig, name: str) -> GemvConfig:
     return replace(cfg, **GEMV_VARIANTS[name])
 
 
+def _lookup(table: dict, n: int, k: int, qtype: GGMLQuantizationType | None, any_type: bool) -> GemvConfig | None:
+    """The entry ``TYPE:n,k`` (with ``any_type``, else ``n,k``) of a tiling table, parsed."""
+    text = (qtype is not None and table.get(f"{T(qtype).name}:{n},{k}")) or (any_type and table.get(f"{n},{k}"))
+    return parse_gemv_config(text) if text else None
+
+
 def _table_config(path: str, n: int, k: int, qtype: GGMLQuantizationType | None) -> GemvConfig | None:
     """The entry for ``TYPE:n,k`` (else ``n,k``) in a JSON table ``{"Q4_0:n,k":
     "block_n,tile_groups,..."}``, or its ``table`` member (what ``lodestar.bench.gemv_variants``
     prints), or None."""
     with open(path) as f:
         table = json.load(f)
-    table = table.get("table", table)
-    text = (qtype is not None and table.get(f"{T(qtype).name}:{n},{k}")) or table.get(f"{n},{k}")
-    return parse_gemv_config(text) if text else None
+    return _lookup(table.get("table", table), n, k, qtype, any_type=True)
 
 
 TUNED_TABLE = Path(__file__).with_name("gemv_tuned.json")
@@ -384,11 +388,10 @@ TUNED_TABLE = Path(__file__).with_name("gemv_tuned.json")
 
 def _tuned_config(n: int, k: int, device: torch.device, qtype: GGMLQuantizationType | None) -> GemvConfig | None:
     """The shipped tiling for ``TYPE:n,k`` on this device model (``gemv_tuned.json``), or None."""
-    if device.type != "cuda" or qtype is None:
+    if device.type != "cuda":
         return None
     tables = json.loads(TUNED_TABLE.read_text())
-    text = tables.get(torch.cuda.get_device_name(device), {}).get(f"{T(qtype).name}:{n},{k}")
-    return parse_gemv_config(text) if text else None
+    return _lookup(tables.get(torch.cuda.get_device_name(device), {}), n, k, qtype, any_type=False)
 
 
 def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
