@@ -119,5 +119,27 @@ bench tp70 120
 bench gemv 100
 bench dense 90
 bench hf 80 --workdir /tmp/lodestar-bench
+# Nsight Compute on single launches of the matrix-vector kernels (Firecracker machines only;
+# elsewhere ncu cannot read the counters) and their SASS, from a private Triton cache.
+ncu_probe() {  # ncu_probe TAG KERNEL_REGEX PROBE_ARGS...
+  local tag=$1 kre=$2; shift 2
+  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { say "no ncu"; return 1; }
+  TRITON_CACHE_DIR=/tmp/tcache-probe timeout 150 "$NCU" --clock-control none --target-processes all \
+    -k "regex:$kre" --launch-skip 3 --launch-count 1 --set full --print-details all \
+    --print-metric-instances values $PY -m lodestar.bench.kernel_probe "$@" > "$OUT/ncu-$tag.txt" 2>&1
+  say "ncu $tag: exit $?"
+}
+ncu_all() {
+  ncu_probe q4_0-gate_up _gemv_kernel quant Q4_0 gate_up
+  ncu_probe q4_k-gate_up _gemv_kernel quant Q4_K gate_up
+  ncu_probe bf16-gate_up _dense_gemv_kernel dense BF16 gate_up
+  mkdir -p "$OUT/sass"
+  for f in $(find /tmp/tcache-probe -name "*.cubin" 2>/dev/null); do
+    cuobjdump -sass "$f" > "$OUT/sass/$(basename "$(dirname "$f")" | cut -c1-8)-$(basename "$f" .cubin).sass" 2>&1
+  done
+}
+if want ncu; then _stage ncu 400 bash -c "$(declare -f say ncu_probe ncu_all); OUT='$OUT' PY='$PY' START=$START LOG='$LOG' ncu_all"; fi
+if want readbw; then _stage readbw 60 bash -c "$PY -m lodestar.bench.kernel_probe readbw > '$OUT/readbw.json'"; fi
 say "done in $(( $(date +%s) - START ))s"
 note "done in $(( $(date +%s) - START ))s"

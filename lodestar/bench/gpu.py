@@ -734,15 +734,17 @@ def stage_profile(r: Results) -> None:
 def stage_fuse(r: Results) -> None:
     """Decode fusions (``LODESTAR_FUSE``: x quantization in the norm / activation, K-split
     sums inside the matrix-vector kernel, residual add in the next norm) off vs on, one
-    engine each: identical greedy tokens and log-probabilities, and decode tok/s."""
+    engine each: identical greedy tokens and log-probabilities, and decode tok/s. "Off" is
+    ``LODESTAR_FUSE_OFF`` (default 0: none; a comma list leaves just the others out)."""
     from lodestar.engine.sampling import SamplingParams
     cells = [c.split("/") for c in os.environ.get(
         "LODESTAR_FUSE_CELLS", "smollm2-135m/F16 llama-3.1-8b/F16 llama-3.1-8b/Q4_0 smollm2-135m/Q4_0").split()]
     for geometry, qtype in cells:
         def cell(geometry=geometry, qtype=qtype):
             res = {}
+            off_env = os.environ.get("LODESTAR_FUSE_OFF", "0")
             for fuse in ("0", "1"):
-                os.environ["LODESTAR_FUSE"] = fuse
+                os.environ["LODESTAR_FUSE"] = off_env if fuse == "0" else "1"
                 engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, kv_tokens=4096)
                 ps = prompts(3, 40, engine.loaded.config.vocab_size)
                 sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -756,7 +758,7 @@ def stage_fuse(r: Results) -> None:
                 release()
             os.environ.pop("LODESTAR_FUSE", None)
             off, on = res["0"], res["1"]
-            return {"same_tokens": off["tokens"] == on["tokens"], "same_logprobs": off["logprobs"] == on["logprobs"],
+            return {"off_means": off_env, "same_tokens": off["tokens"] == on["tokens"], "same_logprobs": off["logprobs"] == on["logprobs"],
                     "decode_tok_s_off": off["decode_tok_s"], "decode_tok_s_on": on["decode_tok_s"],
                     "on_over_off": round(on["decode_tok_s"]["median"] / off["decode_tok_s"]["median"], 3)}
         r.cell(f"{geometry}-{qtype}", cell, 30)
@@ -822,8 +824,54 @@ def stage_prefill(r: Results) -> None:
                 os.environ.pop("LODESTAR_FUSE", None)
                 return {"wall_tok_s": stat(walls, 1), "gpu_tok_s": stat(gpus, 1)}
             r.cell(f"llama-3.1-8b-F16/prefill_{length}/fuse_{fuse}", cell, 8)
+    for length in (512, 4096):
+        r.cell(f"llama-3.1-8b-F16/prefill_{length}/profile", lambda length=length: prefill_profile(engine, length), 10)
     del engine
     release()
+
+
+def prefill_profile(engine, length: int) -> dict:
+    """One prompt's prefill, three ways: wall time; host time until ``step`` returns (the GPU
+    may still be working); and under torch.profiler, the sum of kernel times (GPU busy) and
+    the top kernels. Kernel sum well below wall time means the GPU waits for the host."""
+    from torch.profiler import ProfilerActivity, profile
+    from lodestar.engine.sampling import SamplingParams
+    vocab = engine.loaded.config.vocab_size
+    p = prompts(1, length, vocab, seed=SEED + length)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    walls, hosts = [], []
+    for i in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.add_request(p, sp)
+        host = 0.0
+        while engine.has_unfinished():
+            h0 = time.perf_counter()
+            engine.step()
+            host += time.perf_counter() - h0
+        torch.cuda.synchronize()
+        if i:
+            walls.append((time.perf_counter() - t0) * 1e3)
+            hosts.append(host * 1e3)
+    mem0 = torch.cuda.memory_stats()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.add_request(p, sp)
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+    mem1 = torch.cuda.memory_stats()
+    kernels = {}
+    for ev in prof.key_averages():
+        dev_t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if dev_t and ev.key and not ev.key.startswith(("aten::", "cuda")):
+            kernels[ev.key[:90]] = (dev_t, ev.count)
+    busy = sum(v[0] for v in kernels.values()) / 1e3
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"wall_ms": stat(walls, 3), "host_ms_in_step_calls": stat(hosts, 3),
+            "profiled_kernel_ms": round(busy, 3), "kernel_launches": sum(v[1] for v in kernels.values()),
+            "allocator": {k: mem1.get(k, 0) - mem0.get(k, 0) for k in
+                          ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")},
+            "top_kernels_ms": {k: {"ms": round(v[0] / 1e3, 3), "calls": v[1]} for k, v in top}}
 
 
 def stage_densegemv(r: Results) -> None:
