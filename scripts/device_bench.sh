@@ -112,7 +112,8 @@ bench 8b-q4k 40
 bench prefill 45
 bench sweep 60 --csv "$OUT/sweep.csv" --svg "$OUT/sweep.svg"
 bench fuse 90
-stage gemvvar 100 bash -c "$PY -m lodestar.bench.gemv_variants --budget 90 > '$OUT/gemv-variants.json'"
+bench gemvform 150
+stage gemvvar 170 bash -c "$PY -m lodestar.bench.gemv_variants --budget \${GEMVVAR_BUDGET:-90} \${GEMVVAR_ONLY:+--only \$GEMVVAR_ONLY} > '$OUT/gemv-variants.json'"
 bench densegemv 100
 bench tp 150
 bench tp70 120

@@ -59,17 +59,29 @@ TILINGS: dict[str, Callable] = {
                                                             split_k=max(1, c.split_k // 2)),
     "unroll_w2": lambda c: dataclasses.replace(c, num_warps=2, unroll=True),
     "prefetch_bn8": lambda c: dataclasses.replace(c, block_n=8, prefetch=True),
+    # the word-tile kernel (``words``) with other tilings
+    "words_split_half": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=max(1, c.split_k // 2)),
+    "words_split_double": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=c.split_k * 2),
+    "words_bn8_w2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=8, num_warps=2),
+    "words_bn32_w4": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=32, num_warps=4),
+    "words_w2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, num_warps=2),
 }
 
 
-def configs(n: int, k: int, device: torch.device) -> list[tuple[str, str, object]]:
-    """(round, name, GemvConfig) for one shape: the rule, each loop variant, each tiling.
-    Configs equal to an earlier one are left out."""
+def configs(n: int, k: int, device: torch.device, qtype=None,
+            only: tuple[str, ...] | None = None) -> list[tuple[str, str, object]]:
+    """(round, name, GemvConfig) for one shape: the rule, the shipped table's entry (if any),
+    each loop variant, each tiling (with ``only``: just those names). Configs equal to an
+    earlier one are left out."""
     from lodestar.kernels import triton_quant as tq
     base = tq.default_gemv_config(n, k, device)
     out = [("default", "default", base)]
-    out += [("variant", name, tq.with_variant(base, name)) for name in tq.GEMV_VARIANTS if name != "default"]
-    out += [("tiling", name, edit(base)) for name, edit in TILINGS.items()]
+    shipped = tq._tuned_config(n, k, device, qtype) if qtype is not None else None
+    if shipped is not None:
+        out.append(("default", "shipped", shipped))
+    out += [("variant", name, tq.with_variant(base, name)) for name in tq.GEMV_VARIANTS
+            if name != "default" and (only is None or name in only)]
+    out += [("tiling", name, edit(base)) for name, edit in TILINGS.items() if only is None or name in only]
     seen, unique = set(), []
     for rnd, name, cfg in out:
         if cfg not in seen and (k // tq.GROUP) >= cfg.tile_groups:
@@ -190,7 +202,7 @@ def _summary(qname: str, qtype_res: dict) -> dict:
 
 
 def run(device: str = "cuda", qtypes: tuple[str, ...] = ("Q4_0", "Q4_K"), iters: int = 20,
-        budget_s: float = 90.0) -> dict:
+        budget_s: float = 90.0, only: tuple[str, ...] | None = None) -> dict:
     """Measure every (qtype, shape, config) that fits in ``budget_s``; see the module docstring."""
     from lodestar.kernels import triton_quant as tq
     start = time.monotonic()
@@ -200,7 +212,7 @@ def run(device: str = "cuda", qtypes: tuple[str, ...] = ("Q4_0", "Q4_K"), iters:
     _log(f"copy bandwidth {bw['tb_per_s']} TB/s")
     results: dict = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
                      "copy_bandwidth": bw, "reps_per_graph": REPS, "iters": iters, "results": {}, "skipped": []}
-    plan = {(q, s): configs(*SHAPES[s], dev) for q in qtypes for s in SHAPES}
+    plan = {(q, s): configs(*SHAPES[s], dev, tq.T[q], only) for q in qtypes for s in SHAPES}
     outputs: dict = {}
     for rnd in ("default", "variant", "tiling"):
         for (qname, shape), cfgs in plan.items():
@@ -237,8 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--qtypes", default="Q4_0,Q4_K", help="comma list of weight types")
     p.add_argument("--iters", type=int, default=20, help="graph replays per config")
     p.add_argument("--budget", type=float, default=90.0, help="seconds; configs past it are skipped")
+    p.add_argument("--only", default="", help="comma list of variant / tiling names (default: all)")
     args = p.parse_args(argv)
-    res = run("cuda", tuple(q.strip() for q in args.qtypes.split(",") if q.strip()), args.iters, args.budget)
+    only = tuple(n.strip() for n in args.only.split(",") if n.strip()) or None
+    res = run("cuda", tuple(q.strip() for q in args.qtypes.split(",") if q.strip()), args.iters, args.budget, only)
     print(json.dumps(res, indent=1))
 
 

@@ -764,6 +764,35 @@ def stage_fuse(r: Results) -> None:
         r.cell(f"{geometry}-{qtype}", cell, 30)
 
 
+def stage_gemvform(r: Results) -> None:
+    """8B Q4_0 / Q4_K decode with the matrix-vector tilings as shipped vs the form named by
+    ``LODESTAR_GEMV_AB`` (a ``LODESTAR_GEMV_VARIANT`` name, default ``words``), one engine each:
+    decode tok/s (roofline fraction) and whether the greedy tokens agree."""
+    from lodestar.engine.sampling import SamplingParams
+    bw = bandwidth_from(r)
+    variant = os.environ.get("LODESTAR_GEMV_AB", "words")
+    for qtype in ("Q4_0", "Q4_K"):
+        def cell(qtype=qtype):
+            res = {}
+            for name in ("shipped", variant):
+                if name == "shipped":
+                    os.environ.pop("LODESTAR_GEMV_VARIANT", None)
+                else:
+                    os.environ["LODESTAR_GEMV_VARIANT"] = name
+                engine, _, _ = synthetic_engine("llama-3.1-8b", qtype, max_len=1024, kv_tokens=4096)
+                ps = prompts(2, 40, engine.loaded.config.vocab_size)
+                toks = [c.token_ids for c in engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=32,
+                                                                                 ignore_eos=True))]
+                res[name] = {"tokens": toks, **decode_cell(engine, read_bytes_per_token(engine.loaded.model), bw)}
+                del engine
+                release()
+            os.environ.pop("LODESTAR_GEMV_VARIANT", None)
+            a, b = res["shipped"], res[variant]
+            return {"variant": variant, "same_tokens": a.pop("tokens") == b.pop("tokens"), "shipped": a, variant: b,
+                    "ratio": round(b["decode_tok_s"]["median"] / a["decode_tok_s"]["median"], 3)}
+        r.cell(f"llama-3.1-8b-{qtype}", cell, 40)
+
+
 def stage_overlap(r: Results) -> None:
     """Overlapped decode off vs on in one engine (runs interleaved): greedy tokens must be
     identical; decode tok/s of one stream and of 8."""
@@ -837,7 +866,7 @@ def prefill_profile(engine, length: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
     from lodestar.engine.sampling import SamplingParams
     vocab = engine.loaded.config.vocab_size
-    p = prompts(1, length, vocab, seed=SEED + length)
+    p = prompts(1, length, vocab, seed=SEED + length)[0]
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     walls, hosts = [], []
     for i in range(6):
@@ -1053,7 +1082,8 @@ def stage_tp70(r: Results) -> None:
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
           "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
-          "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill}
+          "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill,
+          "gemvform": stage_gemvform}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,10 +48,9 @@ def run_dense(shape: str, launches: int) -> None:
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     cfg = td.config_for(n, k)
-    counters = td.tile_counters(n, cfg, 1, x.device)
     print(f"dense {shape} config {cfg}", flush=True)
     for i in range(launches):
-        td.dense_gemv(x, ws[i % len(ws)], config=cfg, counters=counters)
+        td.dense_gemv(x, ws[i % len(ws)], config=cfg)
     torch.cuda.synchronize()
 
 

@@ -3,8 +3,7 @@
 ``y[m] = x[m] @ w.T`` with one program per (row of x, tile of ``BLOCK_N`` output rows,
 K split): the weight tile streams through in ``BLOCK_K`` chunks, products accumulate in
 fp32 per (output row, lane) and are summed once at the end; K splits write fp32 partials
-summed in split order, by the tile's last program when the caller passes arrival counters
-(``tile_counters``; fusion ``split_sum``), else by a second kernel (same bits). Every row of x is computed the same way
+summed in split order by a second kernel. Every row of x is computed the same way
 whatever the number of rows, so results do not depend on the batch.
 
 ``CudaDenseLinear`` runs it for single-row bf16 x (``MAX_ROWS``: one-stream decode),
@@ -141,22 +140,10 @@ def dense_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.float().T
 
 
-def tile_counters(n: int, config: DenseGemvConfig, rows: int, device: torch.device) -> torch.Tensor | None:
-    """Zeroed arrival counters for ``dense_gemv(..., counters=)`` over up to ``rows`` rows of x
-    (None when the tiling does not split K). Allocate them before any CUDA-graph capture."""
-    if config.split == 1:
-        return None
-    return torch.zeros(rows * -(-n // config.block_n), dtype=torch.int32, device=device)
-
-
 def dense_gemv(x: torch.Tensor | PendingNorm | PendingGlu, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-               config: DenseGemvConfig | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+               config: DenseGemvConfig | None = None) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` -> ``[M, N]`` in ``out_dtype`` (default x's dtype). ``x`` may
-    be a ``PendingNorm`` or ``PendingGlu`` (bf16): the kernel computes it tile by tile.
-
-    With K split, ``counters`` (``tile_counters``) lets the last program of each output tile
-    add the split partials in split order itself (fusion ``split_sum``), the same bits as
-    the separate sum kernel, one launch fewer; each such program puts its counter back to 0."""
+    be a ``PendingNorm`` or ``PendingGlu`` (bf16): the kernel computes it tile by tile."""
     cfg = config or DenseGemvConfig()
     args = _x_args(x)
     m, k = args["shape"]
@@ -168,24 +155,15 @@ def dense_gemv(x: torch.Tensor | PendingNorm | PendingGlu, w: torch.Tensor, out_
     out_dtype = out_dtype or args["dtype"]
     grid = (m, triton.cdiv(n, cfg.block_n), cfg.split)
     out = torch.empty((m, n), dtype=out_dtype, device=w.device)
-    part = out if cfg.split == 1 else torch.empty((cfg.split, m, n), dtype=torch.float32, device=w.device)
-    fused_sum = (cfg.split > 1 and counters is not None and counters.numel() >= m * grid[1]
-                 and "split_sum" in _fusions())
-    _dense_gemv_kernel[grid](args["x"], args["x2"], args["nw"], args["h"], args["sx"], args["eps"], w, part, out,
-                             counters if fused_sum else out, n, m * n, k,
+    dst = out if cfg.split == 1 else torch.empty((cfg.split, m, n), dtype=torch.float32, device=w.device)
+    _dense_gemv_kernel[grid](args["x"], args["x2"], args["nw"], args["h"], args["sx"], args["eps"], w, dst, n, k,
                              k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=args["mode"],
                              HAS_RES=args["has_res"], ACT=args["act"], K_POW2=1 << (k - 1).bit_length(),
-                             SPLIT=cfg.split, LAST_SUMS=fused_sum, num_warps=cfg.warps)
-    if cfg.split > 1 and not fused_sum:
-        dst = part
+                             num_warps=cfg.warps)
+    if cfg.split > 1:
         total = m * n
         _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](dst, out, total, SPLIT=cfg.split, BLOCK=1024)
     return out
-
-
-def _fusions() -> frozenset[str]:
-    from lodestar.kernels.triton_quant import fusions
-    return fusions()
 
 
 # X_MODE of _dense_gemv_kernel: where its x tiles come from
@@ -282,16 +260,11 @@ if triton is not None:
         return xv
 
     @triton.jit
-    def _dense_gemv_kernel(x_ptr, x2_ptr, nw_ptr, h_ptr, sx, eps, w_ptr, part_ptr, out_ptr, count_ptr, N, stride_split,
-                           K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr,
-                           SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr):
+    def _dense_gemv_kernel(x_ptr, x2_ptr, nw_ptr, h_ptr, sx, eps, w_ptr, out_ptr, N, K: tl.constexpr,
+                           K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr):
         """X_MODE 0: x given (row stride ``sx``); 1: x = rms_norm(x + x2) with weight nw (h = x +
-        x2 written by the programs of row tile 0); 2: x = act(x) * x2.
-
-        SPLIT == 1 stores to ``out``; else each program stores its fp32 partial in
-        ``part[pid_k]`` and, with LAST_SUMS, the last of a tile's SPLIT programs to arrive adds
-        ``part[0] + part[1] + ...`` in that order into ``out`` and zeroes the tile's counter."""
+        x2 written by the programs of row tile 0); 2: x = act(x) * x2."""
         row = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -328,34 +301,10 @@ if triton is not None:
                              mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc += wv.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)
-        _store_split(y, part_ptr, out_ptr, count_ptr, row * tl.num_programs(1) + pid_n, row.to(tl.int64) * N + rows,
-                     mask_n, stride_split, pid_k, SPLIT, LAST_SUMS)
-
-    @triton.jit
-    def _store_split(y, part_ptr, out_ptr, count_ptr, tile, offs, mask, stride_split, pid_split,
-                     SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr):
-        """Store a program's fp32 result ``y`` at ``offs``: into ``out`` (one split), else into
-        ``part[pid_split]`` (``stride_split`` apart) and, with LAST_SUMS, the last of the
-        output tile's SPLIT programs to arrive (``count_ptr[tile]``) adds ``part[0] + part[1]
-        + ...`` in that order into ``out`` (the separate sum kernels' bits) and zeroes the
-        counter, so CUDA-graph replays find it at 0."""
-        if SPLIT == 1:
-            tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(part_ptr + pid_split * stride_split + offs, y, mask=mask)
-            if LAST_SUMS:
-                # every thread's partial is stored before the counter moves (barrier, then a
-                # release); the last arrival reads the others' partials from L2 after its acquire
-                tl.debug_barrier()
-                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT - 1:
-                    tl.debug_barrier()
-                    total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLIT):
-                        total += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        # split partials: [SPLIT, M, N] fp32; one split: [M, N] in the output dtype
+        M = tl.num_programs(0)
+        dst = out_ptr + (pid_k * M + row).to(tl.int64) * N + rows
+        tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
     @triton.jit
     def _dense_split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):

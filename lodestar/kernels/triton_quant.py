@@ -315,11 +315,15 @@ class GemvConfig:
     prefetch: bool = False  # issue tile t+1's loads (codes, scales, x) before tile t's math
     stages: int = 0         # tl.range(num_stages=stages) for the tile loop; 0: the compiler's choice
     unroll: bool = False    # unroll the whole tile loop, so loads of later tiles can be hoisted
+    # the tile as code words (``_gemv_words_kernel``; ``WORDS_TYPES`` only, no ``prefetch``)
+    words: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch + (self.stages > 0) + self.unroll > 1:
             raise ValueError(f"{self}: prefetch, stages and unroll are alternative forms of the tile "
                              f"loop; set one of them")
+        if self.words and self.prefetch:
+            raise ValueError(f"{self}: the word-tile kernel has no prefetch form")
 
 
 # Named loop variants applied over the tiling rule's result (``LODESTAR_GEMV_VARIANT``).
@@ -332,7 +336,16 @@ GEMV_VARIANTS: dict[str, dict[str, int | bool]] = {
     "unroll": {"unroll": True},
     "wide32": {"block_n": 32},                       # x terms loaded once per 32 rows, 8 KB tiles
     "wide32_prefetch": {"block_n": 32, "prefetch": True},
+    # the tile held as code words, whole groups per thread (``_gemv_words_kernel``)
+    "words": {"words": True, "tile_groups": 32},
+    "words_unroll": {"words": True, "tile_groups": 32, "unroll": True},
+    "words_bn8": {"words": True, "tile_groups": 32, "block_n": 8},
+    "words_bn32_w8": {"words": True, "tile_groups": 32, "block_n": 32, "num_warps": 8},
+    "words_tg16": {"words": True, "tile_groups": 16},
+    "words_stages3": {"words": True, "tile_groups": 32, "stages": 3},
 }
+# Types the word-tile kernel handles (the others run ``_gemv_kernel`` whatever the config says).
+WORDS_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
 
 _CONFIGS: dict[tuple, GemvConfig] = {}
 # K splits are added until there are this many programs per SM. Tiles of 16 rows x 16 groups
@@ -345,12 +358,12 @@ _GEMV_ENV = ("LODESTAR_GEMV", "LODESTAR_GEMV_VARIANT", "LODESTAR_GEMV_TABLE")
 
 
 def parse_gemv_config(text: str) -> GemvConfig:
-    """``block_n,tile_groups,split_k,num_warps[,prefetch,stages,unroll]`` -> GemvConfig."""
+    """``block_n,tile_groups,split_k,num_warps[,prefetch,stages,unroll,words]`` -> GemvConfig."""
     values = [int(v) for v in text.split(",")]
-    if not 4 <= len(values) <= 7:
+    if not 4 <= len(values) <= 8:
         raise ValueError(f"GEMV config {text!r}: give block_n,tile_groups,split_k,num_warps"
-                         f"[,prefetch,stages,unroll] as integers")
-    fields = ("prefetch", "stages", "unroll")
+                         f"[,prefetch,stages,unroll,words] as integers")
+    fields = ("prefetch", "stages", "unroll", "words")
     extra = {f: (bool(v) if f != "stages" else v) for f, v in zip(fields, values[4:])}
     return GemvConfig(*values[:4], **extra)
 
@@ -358,7 +371,7 @@ def parse_gemv_config(text: str) -> GemvConfig:
 def config_text(cfg: GemvConfig) -> str:
     """The ``parse_gemv_config`` form of ``cfg`` (what ``LODESTAR_GEMV`` and the table hold)."""
     return f"{cfg.block_n},{cfg.tile_groups},{cfg.split_k},{cfg.num_warps}," \
-           f"{int(cfg.prefetch)},{cfg.stages},{int(cfg.unroll)}"
+           f"{int(cfg.prefetch)},{cfg.stages},{int(cfg.unroll)}" + (",1" if cfg.words else "")
 
 
 def with_variant(cfg: GemvConfig, name: str) -> GemvConfig:
@@ -506,11 +519,19 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
     # sized for SMALL_M_MAX rows at once, so that later calls with more rows reuse it
     counters = _tile_counters(pw, max(M, SMALL_M_MAX) * n_blocks) if fused_sum else d1   # d1: never read
     codes = pw.codes.view(torch.int32)
-    _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
-                       K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
-                       GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
-                       ASM=not interpreted(), PREFETCH=cfg.prefetch, STAGES=cfg.stages, UNROLL=cfg.unroll,
-                       num_warps=cfg.num_warps)
+    if cfg.words and pw.qtype in WORDS_TYPES:
+        even = pw.n % cfg.block_n == 0 and per_split % cfg.tile_groups == 0 and per_split * cfg.split_k == groups
+        _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
+                                 M * pw.n, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
+                                 GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
+                                 ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll, EVEN=even,
+                                 num_warps=cfg.num_warps)
+    else:
+        _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
+                           K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
+                           GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
+                           ASM=not interpreted(), PREFETCH=cfg.prefetch, STAGES=cfg.stages, UNROLL=cfg.unroll,
+                           num_warps=cfg.num_warps)
     if cfg.split_k > 1 and not fused_sum:
         total = M * pw.n
         _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4)
@@ -542,8 +563,6 @@ def matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = No
 if triton_enabled():
     import triton
     import triton.language as tl
-
-    from lodestar.kernels.triton_dense import _store_split
 
     @triton.jit
     def _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr):
@@ -855,8 +874,175 @@ if triton_enabled():
                                                  sc_ptr, m_ptr, pid_m, rows, mask_n, g,
                                                  (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
         y = tl.sum(acc, axis=1)                                     # [BN]
-        _store_split(y, part_ptr, out_ptr, count_ptr, pid_m * tl.num_programs(1) + pid_n,
-                     pid_m.to(tl.int64) * stride_om + offs_n, mask_n, stride_split, pid_s, SPLIT, LAST_SUMS)
+        row_offs = pid_m.to(tl.int64) * stride_om + offs_n
+        if SPLIT == 1:
+            tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            tl.store(part_ptr + pid_s * stride_split + row_offs, y, mask=mask_n)
+            if LAST_SUMS:
+                # Every thread's partial is stored before the counter moves (barrier, then a
+                # release); the last arrival reads the others' partials from L2 after its acquire.
+                tl.debug_barrier()
+                tile = pid_m * tl.num_programs(1) + pid_n
+                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT - 1:
+                    tl.debug_barrier()
+                    total = tl.load(part_ptr + row_offs, mask=mask_n, other=0.0, cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLIT):
+                        total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                    pid_m, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
+                    QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+        """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, TG] fp32 array of
+        per-group products. The tile is held as [BN, TG*WPG] code words (WPG words a group,
+        each thread holding whole groups), so x words, code words and their integer dot
+        products share one register layout; the two x terms combine exactly in int32
+        (``254*i1 + i2``, then one conversion: ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``)."""
+        G: tl.constexpr = K // 32
+        WPG: tl.constexpr = 8 if QTYPE == 8 else 4
+        TW: tl.constexpr = TG * WPG
+        BN: tl.constexpr = rows.shape[0]
+        c = tl.arange(0, TW)
+        j = c % WPG
+        gl = c // WPG
+        mask_c = (g0 + gl < G) & (t + gl < GROUPS_PER_SPLIT)                   # [TW]
+        offs_w = rows[:, None] * (G * WPG) + (g0 * WPG + c)[None, :]            # [BN, TW] word index
+        if EVEN:
+            w = tl.load(codes_ptr + offs_w)
+        else:
+            w = tl.load(codes_ptr + offs_w, mask=mask_n[:, None] & mask_c[None, :], other=0)
+        xrow = (pid_m.to(tl.int64) * G + g0 + gl) * 16                        # [TW]
+        # 4 words in a row; masked groups point at the buffer's first words (never past its end)
+        if EVEN:
+            xj = tl.max_contiguous(tl.multiple_of(xrow + j, 4), 4)
+        else:
+            xj = tl.max_contiguous(tl.multiple_of(tl.where(mask_c, xrow + j, j), 4), 4)
+        zero = tl.zeros_like(w)
+        if QTYPE == 8:
+            x1 = _ld_x(xw_ptr + xj, mask_c, ASM, EVEN)
+            x2 = _ld_x(xw_ptr + xj + 8, mask_c, ASM, EVEN)
+            i1 = _dp4a(w, x1[None, :] + zero, zero, ASM)
+            i2 = _dp4a(w, x2[None, :] + zero, zero, ASM)
+        else:
+            x1a = _ld_x(xw_ptr + xj, mask_c, ASM, EVEN)
+            x1b = _ld_x(xw_ptr + xj + 4, mask_c, ASM, EVEN)
+            x2a = _ld_x(xw_ptr + xj + 8, mask_c, ASM, EVEN)
+            x2b = _ld_x(xw_ptr + xj + 12, mask_c, ASM, EVEN)
+            lo = w & 0x0F0F0F0F
+            hi = (w >> 4) & 0x0F0F0F0F
+            i1 = _dp4a(hi, x1b[None, :] + zero, _dp4a(lo, x1a[None, :] + zero, zero, ASM), ASM)
+            i2 = _dp4a(hi, x2b[None, :] + zero, _dp4a(lo, x2a[None, :] + zero, zero, ASM), ASM)
+        v = tl.sum(tl.reshape(i1 * 254 + i2, (BN, TG, WPG)), axis=2)           # [BN, TG] exact
+        tg = tl.arange(0, TG)
+        xm = (g0 + tg < G) & (t + tg < GROUPS_PER_SPLIT)
+        gm = mask_n[:, None] & xm[None, :]
+        gidx = rows[:, None] * G + (g0 + tg)[None, :]                          # rows * G + g
+        if not EVEN:
+            gidx = tl.where(gm, gidx, 0)
+        xg = pid_m.to(tl.int64) * G + g0 + tg
+        if EVEN:
+            d1 = tl.load(d1_ptr + xg)
+            xs = tl.load(xsum_ptr + xg * 2) + tl.load(xsum_ptr + xg * 2 + 1)
+        else:
+            d1 = tl.load(d1_ptr + xg, mask=xm, other=0.0)
+            xs = tl.load(xsum_ptr + xg * 2, mask=xm, other=0.0) + tl.load(xsum_ptr + xg * 2 + 1, mask=xm, other=0.0)
+        f = v.to(tl.float32) * (d1 / 254.0)[None, :]
+        xs = xs[None, :]
+        if QTYPE == 12:   # Q4_K: w = (d*sc) * q - dmin*m
+            sd = _ld_f16(d_ptr + gidx // 8, ASM)
+            sdm = _ld_f16(dmin_ptr + gidx // 8, ASM)
+            sc = _ld_u8(sc_ptr + gidx, ASM)
+            mm = _ld_u8(m_ptr + gidx, ASM)
+            r = (sd * sc) * f - (sdm * mm) * xs
+        else:
+            scale = _ld_f16(d_ptr + gidx, ASM)
+            if QTYPE == 2:
+                r = scale * (f - 8.0 * xs)
+            elif QTYPE == 3:
+                r = scale * f + _ld_f16(m_ptr + gidx, ASM) * xs
+            else:
+                r = scale * f
+        return r if EVEN else tl.where(gm, r, 0.0)
+
+    @triton.jit
+    def _ld_x(ptr, mask, ASM: tl.constexpr, EVEN: tl.constexpr):
+        """int32 x words at ``ptr`` (0 where masked; masked pointers must still be readable), four
+        consecutive words per 16-byte load. As inline assembly the load keeps the register
+        layout of its users (each thread holds whole groups), with no shared-memory shuffle."""
+        if ASM:
+            v = tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                          "=r,=r,=r,=r,l,l,l,l", [ptr], dtype=tl.int32, is_pure=True, pack=4)
+            return v if EVEN else tl.where(mask, v, 0)
+        return tl.load(ptr) if EVEN else tl.load(ptr, mask=mask, other=0)
+
+    @triton.jit
+    def _ld_f16(ptr, ASM: tl.constexpr):
+        """fp32 value of the fp16 at each of ``ptr`` (read-only path). As inline assembly the load
+        keeps its operand's register layout (no shared-memory shuffle to a load layout)."""
+        if ASM:
+            return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptr], dtype=tl.float16,
+                                             is_pure=True, pack=1).to(tl.float32)
+        return tl.load(ptr).to(tl.float32)
+
+    @triton.jit
+    def _ld_u8(ptr, ASM: tl.constexpr):
+        """fp32 value of the uint8 at each of ``ptr`` (as ``_ld_f16``)."""
+        if ASM:
+            return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                             is_pure=True, pack=1).to(tl.float32)
+        return tl.load(ptr).to(tl.float32)
+
+    @triton.jit
+    def _gemv_words_kernel(xw_ptr, d1_ptr, xsum_ptr, part_ptr, out_ptr, count_ptr, codes_ptr, high_ptr, d_ptr,
+                           dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
+                           K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
+                           GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
+                           ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr):
+        """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
+        partial row block or tile (every mask is true, so none is applied)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        rows = offs_n.to(tl.int64)
+        acc = tl.zeros((BLOCK_N, TG), dtype=tl.float32)
+        g_start = pid_s * GROUPS_PER_SPLIT
+        if UNROLL:
+            for t in tl.static_range(0, GROUPS_PER_SPLIT, TG):
+                acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
+        elif STAGES > 0:
+            for t in tl.range(0, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
+                acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
+        else:
+            for t in range(0, GROUPS_PER_SPLIT, TG):
+                acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
+        y = tl.sum(acc, axis=1)
+        row_offs = pid_m.to(tl.int64) * stride_om + offs_n
+        if SPLIT == 1:
+            tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            tl.store(part_ptr + pid_s * stride_split + row_offs, y, mask=mask_n)
+            if LAST_SUMS:
+                tl.debug_barrier()
+                tile = pid_m * tl.num_programs(1) + pid_n
+                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT - 1:
+                    tl.debug_barrier()
+                    total = tl.load(part_ptr + row_offs, mask=mask_n, other=0.0, cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLIT):
+                        total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):

@@ -115,9 +115,6 @@ class CudaDenseLinear(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.gemv_config = _td.config_for(self.out_features, self.in_features)
-        # K-split arrival counters for the one-row kernel, made now (before graph capture)
-        self.tile_counters = (_td.tile_counters(self.out_features, self.gemv_config, _td.MAX_ROWS, weight.device)
-                              if weight.is_cuda else None)
 
     @property
     def nbytes(self) -> int:
@@ -133,12 +130,12 @@ class CudaDenseLinear(nn.Module):
         if isinstance(x, (_td.PendingNorm, _td.PendingGlu)):
             rows = x.x if isinstance(x, _td.PendingNorm) else x.gate
             if rows.dim() == 2 and self.runs_gemv(rows):
-                return _td.dense_gemv(x, self.weight, config=self.gemv_config, counters=self.tile_counters)
+                return _td.dense_gemv(x, self.weight, config=self.gemv_config)
             x = x.materialize()
         if x.dtype == self.weight.dtype:
             if self.runs_gemv(x):
                 x2 = x.reshape(-1, self.in_features)
-                y = _td.dense_gemv(x2, self.weight, config=self.gemv_config, counters=self.tile_counters)
+                y = _td.dense_gemv(x2, self.weight, config=self.gemv_config)
                 return y.view(*x.shape[:-1], self.out_features)
             return F.linear(x, self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)

@@ -48,30 +48,3 @@ def test_the_layer_uses_it_for_few_rows_and_cublas_beyond(monkeypatch):
     torch.testing.assert_close(layer(x).float(), td.dense_gemv_ref(x, w), rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("LODESTAR_DENSE_GEMV", "0")
     assert torch.equal(layer(one), torch.nn.functional.linear(one, w))
-
-
-@pytest.mark.parametrize("n,k,cfg", [(100, 1000, td.DenseGemvConfig(8, 64, 4, 4)),
-                                     (40, 576, td.DenseGemvConfig(16, 128, 2, 4)),
-                                     (64, 512, td.DenseGemvConfig(4, 64, 3, 2))], ids=["split4", "split2", "split3"])
-def test_split_sums_inside_the_kernel_are_bit_identical(n, k, cfg, monkeypatch):
-    """The tile's last program adds the K-split partials in split order: the separate sum
-    kernel's bits; counters are back to 0 after every call (CUDA-graph replays need that)."""
-    dev = kernel_device()
-    g = torch.Generator().manual_seed(n * k)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).to(dev)
-    x = torch.randn(3, k, generator=g).to(torch.bfloat16).to(dev)
-    counters = td.tile_counters(n, cfg, 3, torch.device(dev))
-    monkeypatch.setenv("LODESTAR_FUSE", "quant,residual")            # split_sum off: the sum kernel
-    want = td.dense_gemv(x, w, torch.float32, cfg, counters=counters)
-    want_bf16 = td.dense_gemv(x[:1], w, config=cfg, counters=counters)
-    monkeypatch.setenv("LODESTAR_FUSE", "1")
-
-    class NoSumKernel:       # the fused path must not launch the separate sum kernel
-        def __getitem__(self, grid):
-            raise AssertionError("the split-sum kernel ran with split_sum on")
-    monkeypatch.setattr(td, "_dense_split_sum_kernel", NoSumKernel())
-    for _ in range(2):
-        assert torch.equal(td.dense_gemv(x, w, torch.float32, cfg, counters=counters), want)
-        assert torch.equal(td.dense_gemv(x[:1], w, config=cfg, counters=counters), want_bf16)
-        assert int(counters.abs().sum()) == 0
-    assert td.tile_counters(n, td.DenseGemvConfig(8, 64, 1, 4), 3, torch.device(dev)) is None

@@ -166,3 +166,20 @@ def test_shipped_tuned_table_is_well_formed():
             cfg = tq.parse_gemv_config(text)
             assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.tile_groups & (cfg.tile_groups - 1) == 0
             assert int(cfg.prefetch) + int(cfg.stages > 0) + int(cfg.unroll) <= 1
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_TYPES])
+def test_word_tile_kernel_without_masks(qtype):
+    """The word-tile kernel on a shape with no partial block or tile (its unmasked form), K
+    split in 2: within the reference's tolerance, and a row's bits do not depend on the batch."""
+    dev = kernel_device()
+    n, k = 64, 2048
+    data = random_gguf(qtype, n, k, seed=17)
+    pw = tq.pack(qtype, data.to(dev), n, k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    cfg = tq.GemvConfig(block_n=16, tile_groups=32, split_k=2, num_warps=4, words=True)
+    got = tq.quant_matmul(x.to(dev), pw, torch.float32, config=cfg).cpu()
+    want = F.linear(x.float(), dequantize(data, qtype, (n, k)))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    alone = tq.quant_matmul(x[2:3].to(dev), pw, torch.float32, config=cfg).cpu()
+    assert torch.equal(got[2:3].view(torch.int32), alone.view(torch.int32))
