@@ -70,12 +70,15 @@ TILINGS: dict[str, Callable] = {
 
 def configs(n: int, k: int, device: torch.device, qtype=None,
             only: tuple[str, ...] | None = None) -> list[tuple[str, str, object]]:
-    """(round, name, GemvConfig) for one shape: the rule, the shipped table's entry (if any),
+    """(round, name, GemvConfig) for one shape: the type-blind rule (``default``: the
+    group-tile kernel), the type's rule, the shipped table's entry (if any),
     each loop variant, each tiling (with ``only``: just those names). Configs equal to an
     earlier one are left out."""
     from lodestar.kernels import triton_quant as tq
     base = tq.default_gemv_config(n, k, device)
     out = [("default", "default", base)]
+    if qtype is not None:
+        out.append(("default", "rule", tq.default_gemv_config(n, k, device, qtype)))   # the type's own rule
     shipped = tq._tuned_config(n, k, device, qtype) if qtype is not None else None
     if shipped is not None:
         out.append(("default", "shipped", shipped))

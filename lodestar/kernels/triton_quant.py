@@ -46,6 +46,17 @@ Kernels (reference in brackets, same module):
     does not depend on which other rows share the batch (batched decode and CUDA-graph
     replay give the same tokens as single-stream decode).
 
+    Word-tile form (``GemvConfig.words``; the rule's choice for ``WORDS_TYPES``: Q4_0, Q4_1,
+    Q4_K): ``_gemv_words_kernel`` holds a tile as ``[block_n, 4 * tile_groups]`` code words,
+    four (one group) per thread in one 16-byte load, so that the x words (one 16-byte load
+    per term and half, shared by the thread's rows), the dp4a products and the per-group
+    scales all live in the same register layout: no shared-memory shuffle or barrier per
+    tile (Nsight Compute on the group-tile kernel: L1 throughput 73-90% from such shuffles,
+    DRAM 39-44%). Per group the two x terms combine exactly in int32,
+    ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``, one conversion to fp32. The scale and x loads are
+    inline PTX (``ld.global.nc``) so they keep their users' layout; under the interpreter
+    they are plain loads.
+
     Tiling and loop form (``GemvConfig``, chosen by ``gemv_config`` per weight type and
     shape): ``block_n``, ``tile_groups``, ``split_k``, ``num_warps``, and one of three loop
     variants over the default plain loop: ``prefetch`` (the next tile's codes, scales and x
@@ -54,13 +65,13 @@ Kernels (reference in brackets, same module):
     Every variant adds the same per-group products in the same order within a program, so
     each is deterministic and batch-invariant; results differ from the default's only by
     fp32 rounding of the tile sums. Selection, first match wins:
-    ``LODESTAR_GEMV=block_n,tile_groups,split_k,num_warps[,prefetch,stages,unroll]`` (every
+    ``LODESTAR_GEMV=block_n,tile_groups,split_k,num_warps[,prefetch,stages,unroll,words]`` (every
     shape); ``LODESTAR_GEMV_TABLE=file.json`` (keys ``Q4_K:6144,4096`` or ``6144,4096``,
     values in that same form; the JSON that ``python -m lodestar.bench.gemv_variants`` prints
     is such a file, holding the fastest config it measured per type and shape); the rule
     (``default_gemv_config``) with ``LODESTAR_GEMV_VARIANT=name`` applied (names in
     ``GEMV_VARIANTS``: ``prefetch``, ``stages2``, ``stages3``, ``unroll``, ``wide32``,
-    ``wide32_prefetch``).
+    ``wide32_prefetch`` for the group-tile kernel, ``words*`` for the word-tile kernel).
 ``dequantize_packed`` [``dequantize_packed_ref``, bit-identical to ``dequant.dequantize``]
     Writes the whole weight as bf16 (or fp32); the large-M (prefill) path dequantizes
     per call into a temporary and runs one cuBLAS matmul (``matmul``).
@@ -378,7 +389,11 @@ def with_variant(cfg: GemvConfig, name: str) -> GemvConfig:
     """``cfg`` with the loop variant ``name`` of ``GEMV_VARIANTS`` applied."""
     if name not in GEMV_VARIANTS:
         raise ValueError(f"LODESTAR_GEMV_VARIANT={name!r}; use one of {', '.join(GEMV_VARIANTS)}")
-    return replace(cfg, **GEMV_VARIANTS[name])
+    change = GEMV_VARIANTS[name]
+    if cfg.words and change and "words" not in change:
+        # a loop form of the group-tile kernel, over that kernel's tile width
+        cfg = replace(cfg, words=False, tile_groups=min(cfg.tile_groups, 16))
+    return replace(cfg, **change)
 
 
 def _lookup(table: dict, n: int, k: int, qtype: GGMLQuantizationType | None, any_type: bool) -> GemvConfig | None:
@@ -407,10 +422,13 @@ def _tuned_config(n: int, k: int, device: torch.device, qtype: GGMLQuantizationT
     return _lookup(tables.get(torch.cuda.get_device_name(device), {}), n, k, qtype, any_type=False)
 
 
-def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
-    """The tiling rule alone: 16 rows x up to 16 groups, K split until PROGRAMS_PER_SM programs/SM."""
+def default_gemv_config(n: int, k: int, device: torch.device,
+                        qtype: GGMLQuantizationType | None = None) -> GemvConfig:
+    """The tiling rule alone: 16 rows x up to 16 groups (``WORDS_TYPES``: the word-tile kernel,
+    up to 32 groups), K split until PROGRAMS_PER_SM programs/SM."""
     groups = k // GROUP
-    tile = 16
+    words = qtype is not None and T(int(qtype)) in WORDS_TYPES
+    tile = 32 if words else 16
     while tile > 1 and tile > groups:
         tile //= 2
     block_n = 16
@@ -418,7 +436,7 @@ def default_gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
     while (-(-n // block_n) * split < PROGRAMS_PER_SM * _num_sms(device)
            and groups // (split * 2) >= 4 * tile and split < 8):
         split *= 2
-    return GemvConfig(block_n, tile, split, 4)
+    return GemvConfig(block_n, tile, split, 4, words=words)
 
 
 def gemv_config(n: int, k: int, device: torch.device,
@@ -448,7 +466,7 @@ def gemv_config(n: int, k: int, device: torch.device,
         else:
             cfg = _tuned_config(n, k, device, qtype)
         if cfg is None:
-            cfg = with_variant(default_gemv_config(n, k, device), variant or "default")
+            cfg = with_variant(default_gemv_config(n, k, device, qtype), variant or "default")
         _CONFIGS[key] = cfg
     return cfg
 

@@ -183,3 +183,17 @@ def test_word_tile_kernel_without_masks(qtype):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     alone = tq.quant_matmul(x[2:3].to(dev), pw, torch.float32, config=cfg).cpu()
     assert torch.equal(got[2:3].view(torch.int32), alone.view(torch.int32))
+
+
+def test_rule_picks_the_word_tile_kernel_for_its_types():
+    dev = torch.device("cpu")
+    for qtype in tq.GPU_QUANT_TYPES:
+        cfg = tq.default_gemv_config(28672, 4096, dev, qtype)
+        assert cfg.words == (qtype in tq.WORDS_TYPES)
+        assert cfg.tile_groups == (32 if cfg.words else 16)
+    small = tq.default_gemv_config(576, 576, dev, tq.T.Q4_1)      # 18 groups: the tile shrinks to 16
+    assert small.words and small.tile_groups == 16
+    # a loop form of the group-tile kernel applies to that kernel, not to the word tiles
+    pre = tq.with_variant(tq.default_gemv_config(4096, 4096, dev, tq.T.Q4_0), "prefetch")
+    assert pre.prefetch and not pre.words and pre.tile_groups == 16
+    assert tq.with_variant(tq.default_gemv_config(4096, 4096, dev, tq.T.Q4_0), "words_unroll").words
