@@ -793,6 +793,54 @@ def stage_gemvform(r: Results) -> None:
         r.cell(f"llama-3.1-8b-{qtype}", cell, 40)
 
 
+def stage_ab(r: Results) -> None:
+    """Two settings of the environment, one engine each, runs interleaved: decode tok/s of
+    one stream (prompt 128, 256 new) and whether greedy tokens agree. ``LODESTAR_AB`` names
+    them as ``A|B``, each a space-separated list of VAR=value (default: programmatic
+    dependent launch off | on); ``LODESTAR_AB_CELLS`` lists geometry/type cells."""
+    from lodestar.engine.sampling import SamplingParams
+    bw = bandwidth_from(r)
+    sides = [dict(kv.split("=", 1) for kv in side.split()) for side in
+             os.environ.get("LODESTAR_AB", "LODESTAR_PDL=0|LODESTAR_PDL=1").split("|")]
+    cells = [c.split("/") for c in os.environ.get(
+        "LODESTAR_AB_CELLS", "llama-3.1-8b/F16 llama-3.1-8b/Q4_0 smollm2-135m/F16").split()]
+
+    def setenv(side):
+        for k in {k for s in sides for k in s}:
+            os.environ.pop(k, None)
+        os.environ.update(side)
+
+    for geometry, qtype in cells:
+        def cell(geometry=geometry, qtype=qtype):
+            engines, toks, runs = [], [], [[] for _ in sides]
+            for side in sides:
+                setenv(side)
+                engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, kv_tokens=4096)
+                ps = prompts(2, 40, engine.loaded.config.vocab_size)
+                toks.append([c.token_ids for c in engine.generate(ps, SamplingParams(
+                    temperature=0.0, max_tokens=32, ignore_eos=True))])
+                timed_generate(engine, prompts(1, 128, engine.loaded.config.vocab_size), 16)
+                engines.append(engine)
+            p = prompts(1, 128, engines[0].loaded.config.vocab_size)
+            for _ in range(RUNS):
+                for i, (side, engine) in enumerate(zip(sides, engines)):
+                    setenv(side)
+                    runs[i].append(timed_generate(engine, p, 256)["decode_tok_s"])
+            setenv({})
+            read = read_bytes_per_token(engines[0].loaded.model)
+            out = {"sides": [" ".join(f"{k}={v}" for k, v in s.items()) for s in sides],
+                   "same_tokens": all(t == toks[0] for t in toks)}
+            for i, side in enumerate(sides):
+                out[f"side_{i}"] = {"decode_tok_s": stat(runs[i])}
+                if bw:
+                    out[f"side_{i}"]["fraction_of_weight_roofline"] = round(statistics.median(runs[i]) * read / bw, 3)
+            out["ratio_1_over_0"] = round(statistics.median(runs[1]) / statistics.median(runs[0]), 3)
+            del engines
+            release()
+            return out
+        r.cell(f"{geometry}-{qtype}", cell, 40)
+
+
 def stage_overlap(r: Results) -> None:
     """Overlapped decode off vs on in one engine (runs interleaved): greedy tokens must be
     identical; decode tok/s of one stream and of 8."""
@@ -1083,7 +1131,7 @@ STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4
           "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
           "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill,
-          "gemvform": stage_gemvform}
+          "gemvform": stage_gemvform, "ab": stage_ab}
 
 
 def main(argv: list[str] | None = None) -> int:

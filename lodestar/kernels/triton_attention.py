@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import interpreted, triton_enabled
+from lodestar.kernels.triton_quant import interpreted, pdl, triton_enabled
 
 PARTITION = 256     # keys per decode partition
 SHORT_PARTITION = 64    # keys per partition when the visible context is at most SHORT_CONTEXT
@@ -90,10 +90,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), scale * LOG2E, win, max_partitions,
         G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=SHORT_PARTITION,
         SHORT=SHORT_CONTEXT, SPLITS=splits,
-        IS_F32=is_f32, DOT_F32=interpreted(), num_warps=4)
+        IS_F32=is_f32, DOT_F32=interpreted(), num_warps=4, **pdl())
     _decode_reduce_kernel[(B, Hq)](
         part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), win, max_partitions, Hq,
-        D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT, CHUNK=REDUCE_CHUNK, num_warps=4)
+        D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT, CHUNK=REDUCE_CHUNK, num_warps=4,
+        **pdl())
     return out
 
 
@@ -166,6 +167,8 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
+    from lodestar.kernels.triton_dense import _pdl_enter
+
     @triton.jit
     def _partition(ctx, PART: tl.constexpr, PART_SHORT: tl.constexpr, SHORT: tl.constexpr):
         """Keys per partition for a visible context of ``ctx`` keys: PART_SHORT up to SHORT keys,
@@ -181,7 +184,8 @@ if triton_enabled():
                                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                BLOCK_N: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
                                SHORT: tl.constexpr, SPLITS: tl.constexpr,
-                               IS_F32: tl.constexpr, DOT_F32: tl.constexpr):
+                               IS_F32: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -243,7 +247,8 @@ if triton_enabled():
     def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, lens_ptr, out_ptr, stride_ob, stride_oh,
                               window, max_parts, Hq,
                               D: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
-                              SHORT: tl.constexpr, CHUNK: tl.constexpr):
+                              SHORT: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         L = tl.load(lens_ptr + b)

@@ -159,15 +159,20 @@ def dense_gemv(x: torch.Tensor | PendingNorm | PendingGlu, w: torch.Tensor, out_
     _dense_gemv_kernel[grid](args["x"], args["x2"], args["nw"], args["h"], args["sx"], args["eps"], w, dst, n, k,
                              k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=args["mode"],
                              HAS_RES=args["has_res"], ACT=args["act"], K_POW2=1 << (k - 1).bit_length(),
-                             num_warps=cfg.warps)
+                             num_warps=cfg.warps, **_pdl())
     if cfg.split > 1:
         total = m * n
-        _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](dst, out, total, SPLIT=cfg.split, BLOCK=1024)
+        _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](dst, out, total, SPLIT=cfg.split, BLOCK=1024, **_pdl())
     return out
 
 
 # X_MODE of _dense_gemv_kernel: where its x tiles come from
 _X_PLAIN, _X_NORM, _X_GLU = 0, 1, 2
+
+
+def _pdl() -> dict:
+    from lodestar.kernels.triton_quant import pdl
+    return pdl()
 
 
 def _x_args(x: torch.Tensor | PendingNorm | PendingGlu) -> dict:
@@ -195,6 +200,16 @@ def _need_bf16(x: torch.Tensor) -> None:
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _pdl_enter(PDL: tl.constexpr):
+        """First statement of a kernel launched with ``triton_quant.pdl()``: wait for the
+        previous kernel (all of its memory visible), then allow the next one to launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
     @triton.jit
     def _residual_chunk(x_ptr, r_ptr, cols, mask, HAS_RES: tl.constexpr):
         """x (plus the residual, rounded to x's dtype as the unfused add is) at ``cols``."""
@@ -262,9 +277,11 @@ if triton is not None:
     @triton.jit
     def _dense_gemv_kernel(x_ptr, x2_ptr, nw_ptr, h_ptr, sx, eps, w_ptr, out_ptr, N, K: tl.constexpr,
                            K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr):
+                           X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr,
+                           PDL: tl.constexpr):
         """X_MODE 0: x given (row stride ``sx``); 1: x = rms_norm(x + x2) with weight nw (h = x +
         x2 written by the programs of row tile 0); 2: x = act(x) * x2."""
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -307,7 +324,8 @@ if triton is not None:
         tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
     @triton.jit
-    def _dense_split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    def _dense_split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < total
         acc = tl.load(part_ptr + offs, mask=mask, other=0.0)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import GROUP, QuantizedRows, triton_enabled
+from lodestar.kernels.triton_quant import GROUP, QuantizedRows, pdl, triton_enabled
 
 
 def _pow2(n: int) -> int:
@@ -70,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     _rms_norm_kernel[(A * B, slices)](
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
         res_in.stride(1), eps, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block, OFFSET=offset,
-        HAS_RES=residual is not None, QUANT=quantize, num_warps=4 if D <= 2048 else 8)
+        HAS_RES=residual is not None, QUANT=quantize, num_warps=4 if D <= 2048 else 8, **pdl())
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
 
@@ -125,7 +125,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
                        vc.stride(0), vc.stride(1),
                        Hq=Hq, Hk=Hk, HQ_PAD=_pow2(Hq), HK_PAD=_pow2(Hk), HALF=half, HALF_PAD=_pow2(half),
                        D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
-                       num_warps=4)
+                       num_warps=4, **pdl())
     return q, k
 
 
@@ -157,7 +157,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool):
     words, d1, sums = _quant_outputs(out, quantize)
     block = 1024    # a whole number of 32-element groups per program
     _glu_kernel[(T, -(-Fd // block))](gate, up, out, words, d1, sums, gate.stride(0), up.stride(0), Fd,
-                                      ACT=act, BLOCK=block, QUANT=quantize, num_warps=4)
+                                      ACT=act, BLOCK=block, QUANT=quantize, num_warps=4, **pdl())
     return QuantizedRows(out, words, d1, sums) if quantize else out
 
 
@@ -185,7 +185,7 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
-    from lodestar.kernels.triton_dense import _glu_act, _residual_chunk, _rms_apply, _rms_rstd
+    from lodestar.kernels.triton_dense import _glu_act, _pdl_enter, _residual_chunk, _rms_apply, _rms_rstd
     from lodestar.kernels.triton_quant import _quant_groups, _store_quant_groups
 
     @triton.jit
@@ -213,10 +213,11 @@ if triton_enabled():
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                          B, sx0, sx1, sr0, sr1, eps, D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
-                         OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr):
+                         OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
         """Row ``program_id(0)``: the scale from the whole row (``_rms_rstd``, which the dense
         matrix-vector kernel uses when it fuses this norm), then columns ``SLICE *
         program_id(1) ..`` normalized (SLICE == BLOCK: the whole row, kept in registers)."""
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         a = (row // B).to(tl.int64)
         b = (row % B).to(tl.int64)
@@ -275,7 +276,8 @@ if triton_enabled():
                      v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
                      Hq: tl.constexpr, Hk: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                     TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr):
+                     TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         t = tl.program_id(0)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         # cos/sin rows are [cos(f), cos(f)]: the first half serves both halves.
@@ -293,7 +295,8 @@ if triton_enabled():
 
     @triton.jit
     def _glu_kernel(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd,
-                    ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+                    ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+        _pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < Fd

@@ -115,6 +115,21 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 
 
+def pdl() -> dict:
+    """Launch arguments for programmatic dependent launch (Hopper and later; env
+    ``LODESTAR_PDL``, unset or 1: on, 0: off; read at each call): the decode-path kernels
+    (``PDL`` constexpr) start with ``griddepcontrol.wait`` (nothing is read or written before
+    the previous kernel in the stream has finished) and then let the next kernel launch,
+    so its blocks are resident and waiting when this one ends instead of being launched
+    then. Results are the same bits either way."""
+    env = os.environ.get("LODESTAR_PDL", "1").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"LODESTAR_PDL={env!r}; use 0 or 1")
+    on = (env != "0" and torch.cuda.is_available() and not interpreted()
+          and torch.cuda.get_device_capability()[0] >= 9)
+    return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
+
+
 FUSIONS = ("quant", "split_sum", "residual", "dense_norm")
 
 
@@ -491,7 +506,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     G = K // GROUP
     words, d1, sums = QuantizedRows.empty(M, K, x.device)
     gb = 16
-    _quant_x_kernel[(M, -(-G // gb))](x, words, d1, sums, x.stride(0), G, GB=gb, num_warps=4)
+    _quant_x_kernel[(M, -(-G // gb))](x, words, d1, sums, x.stride(0), G, GB=gb, num_warps=4, **pdl())
     return words, d1, sums
 
 
@@ -543,16 +558,17 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
                                  M * pw.n, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
                                  GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
                                  ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll, EVEN=even,
-                                 num_warps=cfg.num_warps)
+                                 num_warps=cfg.num_warps, **pdl())
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
                            GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
                            ASM=not interpreted(), PREFETCH=cfg.prefetch, STAGES=cfg.stages, UNROLL=cfg.unroll,
-                           num_warps=cfg.num_warps)
+                           num_warps=cfg.num_warps, **pdl())
     if cfg.split_k > 1 and not fused_sum:
         total = M * pw.n
-        _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4)
+        _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4,
+                                                **pdl())
     return out
 
 
@@ -581,6 +597,8 @@ def matmul(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = No
 if triton_enabled():
     import triton
     import triton.language as tl
+
+    from lodestar.kernels.triton_dense import _pdl_enter
 
     @triton.jit
     def _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr):
@@ -690,8 +708,9 @@ if triton_enabled():
         tl.store(sums_ptr + row * 2 + 1, sb, mask=mask_g)
 
     @triton.jit
-    def _quant_x_kernel(x_ptr, words_ptr, d1_ptr, sums_ptr, stride_xm, G, GB: tl.constexpr):
+    def _quant_x_kernel(x_ptr, words_ptr, d1_ptr, sums_ptr, stride_xm, G, GB: tl.constexpr, PDL: tl.constexpr):
         """One row of x, GB groups of 32: two int8 terms packed in words, d1, half sums."""
+        _pdl_enter(PDL)
         pid_m = tl.program_id(0)
         g = tl.program_id(1) * GB + tl.arange(0, GB)                       # [GB]
         mask_g = g < G
@@ -840,7 +859,8 @@ if triton_enabled():
                      dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
                      K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                      GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
-                     ASM: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
+                     ASM: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+                     PDL: tl.constexpr):
         """One row of x (quantized by ``_quant_groups``) against BLOCK_N weight rows over one
         K split, tile by tile (``_tile_loads`` then ``_tile_acc``); the loop is plain, or with
         PREFETCH holds the next tile's loads in registers while this tile's math runs, or is
@@ -852,6 +872,7 @@ if triton_enabled():
         adds ``part[0] + part[1] + ...`` in that order into ``out`` (as ``_split_sum_kernel``)
         and puts the tile's counter back to 0.
         """
+        _pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -1020,9 +1041,11 @@ if triton_enabled():
                            dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
                            K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                            GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
-                           ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr):
+                           ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
+                           PDL: tl.constexpr):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied)."""
+        _pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -1063,8 +1086,9 @@ if triton_enabled():
                     tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """out = part[0] + part[1] + ... in that order (fp32), cast to out's dtype."""
+        _pdl_enter(PDL)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < total
         acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
