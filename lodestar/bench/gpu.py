@@ -841,6 +841,67 @@ def stage_ab(r: Results) -> None:
         r.cell(f"{geometry}-{qtype}", cell, 40)
 
 
+def stage_hostprof(r: Results) -> None:
+    """Where the host's time goes in one 8B F16 prefill step of 512 tokens and in one eager
+    decode step (no CUDA graph): cProfile's top functions by own time and by cumulative
+    time, with the step's wall time and the GPU's kernel time for comparison."""
+    import cProfile
+    import io
+    import pstats
+    from lodestar.engine.sampling import SamplingParams
+    engine, _, _ = synthetic_engine("llama-3.1-8b", "F16", max_len=2048, kv_tokens=4096)
+    vocab = engine.loaded.config.vocab_size
+
+    def profiled(fn) -> dict:
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        fn()
+        prof.disable()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        out = {"host_ms": round(host * 1e3, 3), "wall_ms": round(wall * 1e3, 3)}
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(35)
+            out[f"top_by_{key}"] = buf.getvalue().splitlines()[-45:]
+        return out
+
+    def prefill():
+        p = prompts(1, 512, vocab, seed=SEED + 512)[0]
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for _ in range(3):
+            engine.add_request(p, sp)
+            while engine.has_unfinished():
+                engine.step()
+
+        def one():
+            engine.add_request(p, sp)
+            while engine.has_unfinished():
+                engine.step()
+        return profiled(one)
+
+    def eager_decode():
+        runner = engine.runner
+        runner.cuda_graphs = False
+        engine.overlap = False
+        rid = engine.add_request(prompts(1, 64, vocab)[0], SamplingParams(temperature=0.0, max_tokens=64,
+                                                                        ignore_eos=True))
+        for _ in range(5):
+            engine.step()
+        out = profiled(lambda: [engine.step() for _ in range(5)])
+        engine.abort(rid)
+        runner.cuda_graphs = True
+        return out
+
+    r.cell("llama-3.1-8b-F16/prefill_512", prefill, 10)
+    r.cell("llama-3.1-8b-F16/eager_decode_x5", eager_decode, 10)
+    del engine
+    release()
+
+
 def stage_overlap(r: Results) -> None:
     """Overlapped decode off vs on in one engine (runs interleaved): greedy tokens must be
     identical; decode tok/s of one stream and of 8."""
@@ -1131,7 +1192,7 @@ STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4
           "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
           "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill,
-          "gemvform": stage_gemvform, "ab": stage_ab}
+          "gemvform": stage_gemvform, "ab": stage_ab, "hostprof": stage_hostprof}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -275,19 +275,42 @@ if triton is not None:
         return xv
 
     @triton.jit
+    def _dense_w_tile(w_ptr, rows, mask_n, cols, K: tl.constexpr, EVEN: tl.constexpr):
+        """Weight tile [BLOCK_N, BLOCK_K] at ``rows`` x ``cols`` (0 outside the matrix)."""
+        ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+        if EVEN:
+            return tl.load(ptrs, mask=mask_n[:, None], other=0.0)
+        return tl.load(ptrs, mask=mask_n[:, None] & (cols < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _dense_x_tile(x_row, x2_row, nw_ptr, h_row, cols, rstd, is_writer, K: tl.constexpr, EVEN: tl.constexpr,
+                      X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
+        """fp32 x at ``cols`` (0 past K): given, or computed (``_fused_x_tile``)."""
+        if X_MODE == 0:
+            if EVEN:
+                return tl.load(x_row + cols).to(tl.float32)
+            return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        return _fused_x_tile(x_row, x2_row, nw_ptr, h_row, cols, cols < K, rstd, is_writer, X_MODE, HAS_RES, ACT)
+
+    @triton.jit
     def _dense_gemv_kernel(x_ptr, x2_ptr, nw_ptr, h_ptr, sx, eps, w_ptr, out_ptr, N, K: tl.constexpr,
                            K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr,
                            PDL: tl.constexpr):
         """X_MODE 0: x given (row stride ``sx``); 1: x = rms_norm(x + x2) with weight nw (h = x +
-        x2 written by the programs of row tile 0); 2: x = act(x) * x2."""
-        _pdl_enter(PDL)
+        x2 written by the programs of row tile 0); 2: x = act(x) * x2. The first weight tile is
+        loaded before ``_pdl_enter``: weights are never written, so under programmatic
+        dependent launch that read overlaps the previous kernel's tail."""
         row = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rows < N
         lanes = tl.arange(0, BLOCK_K)
+        k0 = pid_k * K_SPLIT
+        EVEN: tl.constexpr = K % K_SPLIT == 0 and K_SPLIT % BLOCK_K == 0
+        w0 = _dense_w_tile(w_ptr, rows, mask_n, k0 + lanes, K, EVEN)
+        _pdl_enter(PDL)
         x_row = x_ptr + row.to(tl.int64) * sx
         x2_row = x2_ptr + row.to(tl.int64) * sx
         h_row = h_ptr + row.to(tl.int64) * K
@@ -296,26 +319,12 @@ if triton is not None:
             row_cols = tl.arange(0, K_POW2)
             xr = _residual_chunk(x_row, x2_row, row_cols, row_cols < K, HAS_RES)
             rstd = _rms_rstd(xr.to(tl.float32), eps, K)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        k0 = pid_k * K_SPLIT
-        for kk in range(0, K_SPLIT, BLOCK_K):
+        xv = _dense_x_tile(x_row, x2_row, nw_ptr, h_row, k0 + lanes, rstd, pid_n == 0, K, EVEN, X_MODE, HAS_RES, ACT)
+        acc = w0.to(tl.float32) * xv[None, :]
+        for kk in range(BLOCK_K, K_SPLIT, BLOCK_K):
             cols = k0 + kk + lanes
-            if K % K_SPLIT == 0 and K_SPLIT % BLOCK_K == 0:
-                if X_MODE == 0:
-                    xv = tl.load(x_row + cols).to(tl.float32)
-                else:
-                    xv = _fused_x_tile(x_row, x2_row, nw_ptr, h_row, cols, cols < K, rstd, pid_n == 0,
-                                       X_MODE, HAS_RES, ACT)
-                wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=mask_n[:, None], other=0.0)
-            else:
-                mask_k = cols < K
-                if X_MODE == 0:
-                    xv = tl.load(x_row + cols, mask=mask_k, other=0.0).to(tl.float32)
-                else:
-                    xv = _fused_x_tile(x_row, x2_row, nw_ptr, h_row, cols, mask_k, rstd, pid_n == 0,
-                                       X_MODE, HAS_RES, ACT)
-                wv = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                             mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            xv = _dense_x_tile(x_row, x2_row, nw_ptr, h_row, cols, rstd, pid_n == 0, K, EVEN, X_MODE, HAS_RES, ACT)
+            wv = _dense_w_tile(w_ptr, rows, mask_n, cols, K, EVEN)
             acc += wv.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)
         # split partials: [SPLIT, M, N] fp32; one split: [M, N] in the output dtype
