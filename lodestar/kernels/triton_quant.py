@@ -942,30 +942,14 @@ if triton_enabled():
                     tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
-                     QTYPE: tl.constexpr, TG: tl.constexpr, EVEN: tl.constexpr):
-        """The code words of the tile of TG groups at group ``g0`` for ``rows``: int32
-        [BN, TG*WPG] (WPG words a group; 0 where masked)."""
-        G: tl.constexpr = K // 32
-        WPG: tl.constexpr = 8 if QTYPE == 8 else 4
-        c = tl.arange(0, TG * WPG)
-        gl = c // WPG
-        offs_w = rows[:, None] * (G * WPG) + (g0 * WPG + c)[None, :]            # [BN, TW] word index
-        if EVEN:
-            return tl.load(codes_ptr + offs_w)
-        mask_c = (g0 + gl < G) & (t + gl < GROUPS_PER_SPLIT)
-        return tl.load(codes_ptr + offs_w, mask=mask_n[:, None] & mask_c[None, :], other=0)
-
-    @triton.jit
-    def _words_tile(w, xw_ptr, d1_ptr, xsum_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+    def _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                     pid_m, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
                     QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
-        """One tile of TG groups starting at group ``g0`` for ``rows`` (code words ``w`` from
-        ``_words_codes``), as a [BN, TG] fp32 array of per-group products. The tile is held as
-        [BN, TG*WPG] code words (WPG words a group, each thread holding whole groups), so x
-        words, code words and their integer dot products share one register layout; the two
-        x terms combine exactly in int32 (``254*i1 + i2``, then one conversion:
-        ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``)."""
+        """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, TG] fp32 array of
+        per-group products. The tile is held as [BN, TG*WPG] code words (WPG words a group,
+        each thread holding whole groups), so x words, code words and their integer dot
+        products share one register layout; the two x terms combine exactly in int32
+        (``254*i1 + i2``, then one conversion: ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``)."""
         G: tl.constexpr = K // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
@@ -974,6 +958,11 @@ if triton_enabled():
         j = c % WPG
         gl = c // WPG
         mask_c = (g0 + gl < G) & (t + gl < GROUPS_PER_SPLIT)                   # [TW]
+        offs_w = rows[:, None] * (G * WPG) + (g0 * WPG + c)[None, :]            # [BN, TW] word index
+        if EVEN:
+            w = tl.load(codes_ptr + offs_w)
+        else:
+            w = tl.load(codes_ptr + offs_w, mask=mask_n[:, None] & mask_c[None, :], other=0)
         xrow = (pid_m.to(tl.int64) * G + g0 + gl) * 16                        # [TW]
         # 4 words in a row; masked groups point at the buffer's first words (never past its end)
         if EVEN:
@@ -1063,34 +1052,27 @@ if triton_enabled():
                            ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
                            PDL: tl.constexpr):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
-        partial row block or tile (every mask is true, so none is applied). The first tile's
-        code words are loaded before ``_pdl_enter``: weights are never written, so under
-        programmatic dependent launch their reads overlap the previous kernel's tail."""
+        partial row block or tile (every mask is true, so none is applied)."""
+        _pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rows = offs_n.to(tl.int64)
+        acc = tl.zeros((BLOCK_N, TG), dtype=tl.float32)
         g_start = pid_s * GROUPS_PER_SPLIT
-        w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
-        _pdl_enter(PDL)
-        acc = _words_tile(w0, xw_ptr, d1_ptr, xsum_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                          pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         if UNROLL:
-            for t in tl.static_range(TG, GROUPS_PER_SPLIT, TG):
-                w = _words_codes(codes_ptr, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
-                acc += _words_tile(w, xw_ptr, d1_ptr, xsum_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+            for t in tl.static_range(0, GROUPS_PER_SPLIT, TG):
+                acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         elif STAGES > 0:
-            for t in tl.range(TG, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
-                w = _words_codes(codes_ptr, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
-                acc += _words_tile(w, xw_ptr, d1_ptr, xsum_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+            for t in tl.range(0, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
+                acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         else:
-            for t in range(TG, GROUPS_PER_SPLIT, TG):
-                w = _words_codes(codes_ptr, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
-                acc += _words_tile(w, xw_ptr, d1_ptr, xsum_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+            for t in range(0, GROUPS_PER_SPLIT, TG):
+                acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         y = tl.sum(acc, axis=1)
         row_offs = pid_m.to(tl.int64) * stride_om + offs_n
