@@ -47,7 +47,8 @@ Kernels (reference in brackets, same module):
     replay give the same tokens as single-stream decode).
 
     Word-tile form (``GemvConfig.words``; the rule's choice for ``WORDS_TYPES``: Q4_0, Q4_1,
-    Q4_K): ``_gemv_words_kernel`` holds a tile as ``[block_n, 4 * tile_groups]`` code words,
+    Q4_K; Q5_K, Q6_K and Q8_0 run it when a config asks, ``WORDS_CAPABLE``, not yet timed on
+    a GPU): ``_gemv_words_kernel`` holds a tile as ``[block_n, 4 * tile_groups]`` code words,
     four (one group) per thread in one 16-byte load, so that the x words (one 16-byte load
     per term and half, shared by the thread's rows), the dp4a products and the per-group
     scales all live in the same register layout: no shared-memory shuffle or barrier per
@@ -378,8 +379,11 @@ GEMV_VARIANTS: dict[str, dict[str, int | bool]] = {
     "words_tg16": {"words": True, "tile_groups": 16},
     "words_stages3": {"words": True, "tile_groups": 32, "stages": 3},
 }
-# Types the word-tile kernel handles (the others run ``_gemv_kernel`` whatever the config says).
+# Types the tiling rule gives the word-tile kernel.
 WORDS_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+# Types the word-tile kernel can run when a config asks for it (the rule picks it for
+# WORDS_TYPES only; Q5_K, Q6_K and Q8_0 have not been timed on a GPU in this form yet).
+WORDS_CAPABLE = WORDS_TYPES + (T.Q5_K, T.Q6_K, T.Q8_0)
 
 _CONFIGS: dict[tuple, GemvConfig] = {}
 # K splits are added until there are this many programs per SM. Tiles of 16 rows x 16 groups
@@ -560,7 +564,7 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
     # sized for SMALL_M_MAX rows at once, so that later calls with more rows reuse it
     counters = _tile_counters(pw, max(M, SMALL_M_MAX) * n_blocks) if fused_sum else d1   # d1: never read
     codes = pw.codes.view(torch.int32)
-    if cfg.words and pw.qtype in WORDS_TYPES:
+    if cfg.words and pw.qtype in WORDS_CAPABLE:
         even = pw.n % cfg.block_n == 0 and per_split % cfg.tile_groups == 0 and per_split * cfg.split_k == groups
         _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
                                  M * pw.n, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -945,14 +949,18 @@ if triton_enabled():
     def _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                     pid_m, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
                     QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
-        """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, TG] fp32 array of
-        per-group products. The tile is held as [BN, TG*WPG] code words (WPG words a group,
-        each thread holding whole groups), so x words, code words and their integer dot
+        """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, HG] fp32 array of
+        products (HG = TG, or 2*TG half groups of 16 weights for Q8_0, whose groups span 8
+        words). The tile is held as [BN, TG*WPG] code words (WPG words a group, each thread
+        holding four consecutive words), so x words, code words and their integer dot
         products share one register layout; the two x terms combine exactly in int32
-        (``254*i1 + i2``, then one conversion: ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``)."""
+        (``254*i1 + i2``, then one conversion: ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``). Q5_K
+        and Q6_K merge their high bits into the 4-bit codes per word, as ``_tile_acc`` does;
+        Q6_K keeps the two 16-weight halves (low and high nibbles) apart for their scales."""
         G: tl.constexpr = K // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
+        HG: tl.constexpr = TW // 4
         BN: tl.constexpr = rows.shape[0]
         c = tl.arange(0, TW)
         j = c % WPG
@@ -970,7 +978,7 @@ if triton_enabled():
         else:
             xj = tl.max_contiguous(tl.multiple_of(tl.where(mask_c, xrow + j, j), 4), 4)
         zero = tl.zeros_like(w)
-        if QTYPE == 8:
+        if QTYPE == 8:      # int8 codes: words 0..3 weights 0..15, words 4..7 weights 16..31
             x1 = _ld_x(xw_ptr + xj, mask_c, ASM, EVEN)
             x2 = _ld_x(xw_ptr + xj + 8, mask_c, ASM, EVEN)
             i1 = _dp4a(w, x1[None, :] + zero, zero, ASM)
@@ -982,30 +990,61 @@ if triton_enabled():
             x2b = _ld_x(xw_ptr + xj + 12, mask_c, ASM, EVEN)
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
-            i1 = _dp4a(hi, x1b[None, :] + zero, _dp4a(lo, x1a[None, :] + zero, zero, ASM), ASM)
-            i2 = _dp4a(hi, x2b[None, :] + zero, _dp4a(lo, x2a[None, :] + zero, zero, ASM), ASM)
-        v = tl.sum(tl.reshape(i1 * 254 + i2, (BN, TG, WPG)), axis=2)           # [BN, TG] exact
-        tg = tl.arange(0, TG)
-        xm = (g0 + tg < G) & (t + tg < GROUPS_PER_SPLIT)
+            if QTYPE == 13 or QTYPE == 14:   # the group's high-bit word(s), read once per code word
+                hidx = rows[:, None] * (G * (QTYPE - 12)) + ((g0 + gl) * (QTYPE - 12))[None, :]
+                if not EVEN:
+                    hidx = tl.where(mask_n[:, None] & mask_c[None, :], hidx, 0)
+                if QTYPE == 13:  # Q5_K: bit e of the group's word is the 5th bit of weight e
+                    hb = _ld_i32(high_ptr + hidx, ASM)
+                    lo = lo | _spread4(hb >> (4 * j)[None, :], 4)
+                    hi = hi | _spread4(hb >> (16 + 4 * j)[None, :], 4)
+                else:            # Q6_K: two words a group, 2 bits a weight
+                    lo = lo | _spread2x4(_ld_i32(high_ptr + hidx, ASM) >> (8 * j)[None, :])
+                    hi = hi | _spread2x4(_ld_i32(high_ptr + hidx + 1, ASM) >> (8 * j)[None, :])
+            if QTYPE == 14:
+                i1 = _dp4a(lo, x1a[None, :] + zero, zero, ASM)
+                i2 = _dp4a(lo, x2a[None, :] + zero, zero, ASM)
+                i1b = _dp4a(hi, x1b[None, :] + zero, zero, ASM)
+                i2b = _dp4a(hi, x2b[None, :] + zero, zero, ASM)
+                vb = tl.sum(tl.reshape(i1b * 254 + i2b, (BN, HG, 4)), axis=2)
+            else:
+                i1 = _dp4a(hi, x1b[None, :] + zero, _dp4a(lo, x1a[None, :] + zero, zero, ASM), ASM)
+                i2 = _dp4a(hi, x2b[None, :] + zero, _dp4a(lo, x2a[None, :] + zero, zero, ASM), ASM)
+        v = tl.sum(tl.reshape(i1 * 254 + i2, (BN, HG, 4)), axis=2)            # [BN, HG] exact
+        hg = tl.arange(0, HG)
+        if QTYPE == 8:
+            gg = hg // 2                                                       # group of each half
+        else:
+            gg = hg
+        xm = (g0 + gg < G) & (t + gg < GROUPS_PER_SPLIT)
         gm = mask_n[:, None] & xm[None, :]
-        gidx = rows[:, None] * G + (g0 + tg)[None, :]                          # rows * G + g
+        gidx = rows[:, None] * G + (g0 + gg)[None, :]                          # rows * G + g
         if not EVEN:
             gidx = tl.where(gm, gidx, 0)
-        xg = pid_m.to(tl.int64) * G + g0 + tg
+        xg = pid_m.to(tl.int64) * G + g0 + gg
         if EVEN:
             d1 = tl.load(d1_ptr + xg)
-            xs = tl.load(xsum_ptr + xg * 2) + tl.load(xsum_ptr + xg * 2 + 1)
+            xsa = tl.load(xsum_ptr + xg * 2)
+            xsb = tl.load(xsum_ptr + xg * 2 + 1)
         else:
             d1 = tl.load(d1_ptr + xg, mask=xm, other=0.0)
-            xs = tl.load(xsum_ptr + xg * 2, mask=xm, other=0.0) + tl.load(xsum_ptr + xg * 2 + 1, mask=xm, other=0.0)
-        f = v.to(tl.float32) * (d1 / 254.0)[None, :]
-        xs = xs[None, :]
-        if QTYPE == 12:   # Q4_K: w = (d*sc) * q - dmin*m
+            xsa = tl.load(xsum_ptr + xg * 2, mask=xm, other=0.0)
+            xsb = tl.load(xsum_ptr + xg * 2 + 1, mask=xm, other=0.0)
+        d2 = (d1 / 254.0)[None, :]
+        f = v.to(tl.float32) * d2
+        xs = (xsa + xsb)[None, :]
+        if QTYPE == 12 or QTYPE == 13:   # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
             sd = _ld_f16(d_ptr + gidx // 8, ASM)
             sdm = _ld_f16(dmin_ptr + gidx // 8, ASM)
             sc = _ld_u8(sc_ptr + gidx, ASM)
             mm = _ld_u8(m_ptr + gidx, ASM)
             r = (sd * sc) * f - (sdm * mm) * xs
+        elif QTYPE == 14:                # Q6_K: w = (d*sc) * (q - 32) per 16 weights
+            sd = _ld_f16(d_ptr + gidx // 8, ASM)
+            sc0 = _ld_s8(sc_ptr + 2 * gidx, ASM)
+            sc1 = _ld_s8(sc_ptr + 2 * gidx + 1, ASM)
+            fb = vb.to(tl.float32) * d2
+            r = (sd * sc0) * (f - 32.0 * xsa[None, :]) + (sd * sc1) * (fb - 32.0 * xsb[None, :])
         else:
             scale = _ld_f16(d_ptr + gidx, ASM)
             if QTYPE == 2:
@@ -1037,6 +1076,22 @@ if triton_enabled():
         return tl.load(ptr).to(tl.float32)
 
     @triton.jit
+    def _ld_i32(ptr, ASM: tl.constexpr):
+        """The int32 at each of ``ptr`` (as ``_ld_f16``)."""
+        if ASM:
+            return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        return tl.load(ptr)
+
+    @triton.jit
+    def _ld_s8(ptr, ASM: tl.constexpr):
+        """fp32 value of the int8 at each of ``ptr`` (as ``_ld_f16``)."""
+        if ASM:
+            return tl.inline_asm_elementwise("ld.global.nc.s8 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                             is_pure=True, pack=1).to(tl.float32)
+        return tl.load(ptr).to(tl.float32)
+
+    @triton.jit
     def _ld_u8(ptr, ASM: tl.constexpr):
         """fp32 value of the uint8 at each of ``ptr`` (as ``_ld_f16``)."""
         if ASM:
@@ -1060,7 +1115,8 @@ if triton_enabled():
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rows = offs_n.to(tl.int64)
-        acc = tl.zeros((BLOCK_N, TG), dtype=tl.float32)
+        HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
+        acc = tl.zeros((BLOCK_N, HG), dtype=tl.float32)
         g_start = pid_s * GROUPS_PER_SPLIT
         if UNROLL:
             for t in tl.static_range(0, GROUPS_PER_SPLIT, TG):

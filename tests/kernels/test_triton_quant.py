@@ -168,7 +168,7 @@ def test_shipped_tuned_table_is_well_formed():
             assert int(cfg.prefetch) + int(cfg.stages > 0) + int(cfg.unroll) <= 1
 
 
-@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_TYPES])
+@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE])
 def test_word_tile_kernel_without_masks(qtype):
     """The word-tile kernel on a shape with no partial block or tile (its unmasked form), K
     split in 2: within the reference's tolerance, and a row's bits do not depend on the batch."""
