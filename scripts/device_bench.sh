@@ -115,6 +115,7 @@ bench fuse 90
 bench gemvform 150
 bench ab 200
 bench hostprof 60
+bench prefillgraph 150
 stage gemvvar 170 bash -c "$PY -m lodestar.bench.gemv_variants --budget \${GEMVVAR_BUDGET:-90} \${GEMVVAR_ONLY:+--only \$GEMVVAR_ONLY} > '$OUT/gemv-variants.json'"
 bench densegemv 100
 bench tp 150

@@ -902,6 +902,41 @@ def stage_hostprof(r: Results) -> None:
     release()
 
 
+def stage_prefillgraph(r: Results) -> None:
+    """Prefill of one prompt eagerly vs from a token-count bucket's CUDA graph
+    (``EngineConfig.prefill_graphs``), one engine, runs interleaved: wall tok/s at 512 and
+    4096 prompt tokens (8B F16, 8B Q4_0, SmolLM2 F16), first-token logits difference and
+    greedy tokens of 32 steps after it."""
+    from lodestar.engine.sampling import SamplingParams
+    for geometry, qtype in (("llama-3.1-8b", "F16"), ("llama-3.1-8b", "Q4_0"), ("smollm2-135m", "F16")):
+        def cell(geometry=geometry, qtype=qtype):
+            engine, _, _ = synthetic_engine(geometry, qtype, max_len=8192, kv_tokens=16384)
+            engine.runner.prefill_graphs = False
+            vocab = engine.loaded.config.vocab_size
+            out = {}
+            for length in (512, 4096):
+                p = prompts(1, length, vocab, seed=SEED + length)[0]
+                runs = {False: [], True: []}
+                toks = {}
+                for on in (False, True):           # warm-up (and capture)
+                    engine.runner.prefill_graphs = on
+                    toks[on] = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=32,
+                                                                   ignore_eos=True))[0].token_ids
+                for _ in range(RUNS + 2):
+                    for on in (False, True):
+                        engine.runner.prefill_graphs = on
+                        runs[on].append(length / timed_generate(engine, [p], 1)["ttft_s"])
+                out[f"prefill_{length}"] = {"eager_tok_s": stat(runs[False], 1), "graph_tok_s": stat(runs[True], 1),
+                                            "ratio": round(statistics.median(runs[True]) /
+                                                           statistics.median(runs[False]), 3),
+                                            "same_tokens_32": toks[False] == toks[True]}
+            out["prefill_graph_replays"] = engine.runner.prefill_replays
+            del engine
+            release()
+            return out
+        r.cell(f"{geometry}-{qtype}", cell, 40)
+
+
 def stage_overlap(r: Results) -> None:
     """Overlapped decode off vs on in one engine (runs interleaved): greedy tokens must be
     identical; decode tok/s of one stream and of 8."""
@@ -1192,7 +1227,8 @@ STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4
           "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
           "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill,
-          "gemvform": stage_gemvform, "ab": stage_ab, "hostprof": stage_hostprof}
+          "gemvform": stage_gemvform, "ab": stage_ab, "hostprof": stage_hostprof,
+          "prefillgraph": stage_prefillgraph}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,8 @@ class EngineConfig:
     disk_max_bytes: int = 4 << 30
     device: str | None = None           # None: where the model was loaded; KV lives there too
     cuda_graphs: bool = True            # replay captured graphs for decode steps (CUDA only)
+    prefill_graphs: bool = False        # also for one whole prompt's prefill, per token-count bucket
+                                        # (CUDA, one rank; needs cuda_graphs)
     tensor_parallel: int = 1            # ranks; must match load_model(..., tensor_parallel=N) (1: as loaded)
     overlap_decode: bool | None = None  # queue the next greedy decode step before reading this one's
                                         # tokens (None: on where it gains, CUDA graphs on one rank)
@@ -124,7 +126,7 @@ class LLMEngine:
                                         self.max_model_len, cfg.cuda_graphs)
         else:
             self.runner = ModelRunner(loaded.model, self.pool, kv_dtype, self.device, self.max_model_len,
-                                      cfg.cuda_graphs)
+                                      cfg.cuda_graphs, cfg.prefill_graphs)
         self.disk = None
         if cfg.kv_dir:
             from lodestar.engine.disk_cache import DiskKVCache, KVLayout

@@ -8,6 +8,16 @@ block that no sequence owns, and the graph runs the trunk and the head. Other st
 (prefill, mixed, or more rows than the largest bucket) run eagerly. Logits stay on the
 device; the sampler reads them there.
 
+Prefill graphs (``prefill_graphs``, off by default until timed on a GPU): a step that
+prefills one whole prompt from position 0 (no cached prefix) replays a graph captured for
+the smallest token-count bucket (``PREFILL_GRAPH_TOKENS``) that holds it, because a
+prefill's eager launches cost the host more time than the GPU needs at a few hundred
+tokens. Padding tokens follow the prompt (causal attention: no real token sees them),
+write their K/V to the spare block, and only the last real token's logits come back.
+Real rows go through matrix products of the bucket's row count, so their last bits may
+differ from an eager prefill of exactly the prompt's length; a prompt always lands in the
+same bucket, so results stay deterministic. The graphs share one memory pool.
+
 Overlapped decode (``launch``): a graph also leaves each row's greedy token (the first
 maximal logit, as the sampler's plain greedy path picks it) in its own token-id input, and
 copies the tokens to pinned host memory behind an event. So the engine can queue the next
@@ -29,6 +39,7 @@ from lodestar.engine.sequence import Sequence
 from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 @dataclass
@@ -63,7 +74,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, pool: BlockPool, kv_dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", max_model_len: int | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, prefill_graphs: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = torch.device(device)
@@ -83,6 +94,13 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[int, dict] = {}
         self.graph_replays = 0
+        self.prefill_graphs = prefill_graphs
+        self.prefill_buckets: dict[int, dict] = {}
+        self.prefill_replays = 0
+        self._prefill_pool = None
+        windows = [l.sliding_window for l in layers if getattr(l, "sliding_window", None)]
+        # buckets a graph may serve: within the context and, for sliding-window models, the window
+        self.max_prefill_graph = min([PREFILL_GRAPH_TOKENS[-1], self.max_model_len] + windows)
         for m in model.modules():
             if hasattr(m, "ensure_positions"):
                 m.ensure_positions(self.max_model_len + 1)
@@ -128,7 +146,76 @@ class ModelRunner:
                 keep = [i for i, w in enumerate(want_logits) if w]
                 return logits[keep] if keep else None
             return logits
+        if self._prefill_graphable(seqs, num_new, want_logits):
+            return self._prefill_replay(seqs[0], num_new[0])
         return self._eager(seqs, num_new, want_logits)
+
+    # -- prefill graphs ------------------------------------------------------------------
+    def _prefill_graphable(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None) -> bool:
+        """One sequence prefilling from position 0, its logits wanted, in a bucket's reach."""
+        return (self.prefill_graphs and self.cuda_graphs and len(seqs) == 1 and seqs[0].num_computed == 0
+                and 1 < num_new[0] <= self.max_prefill_graph and (want_logits is None or want_logits[0]))
+
+    def _prefill_capture(self, size: int) -> dict:
+        dev, bs = self.device, self.pool.block_size
+        spare = self.spare_block * bs + torch.arange(size, device=dev) % bs
+        g = {"size": size, "ids": torch.zeros(size, dtype=torch.int64, device=dev),
+             "positions": torch.arange(size, dtype=torch.int64, device=dev), "slots": spare.clone(),
+             "last": torch.zeros(1, dtype=torch.int64, device=dev),
+             "host": torch.zeros(4, size, dtype=torch.int64, pin_memory=True), "copied": torch.cuda.Event()}
+        g["copied"].record()
+        dummy = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        meta = GpuAttentionMeta(g["slots"], dummy, dummy[0], 1, 1)
+        # one sequence of ``size`` new tokens, no cached prefix: plain causal attention over
+        # the tokens' own slots (the device plan is the slot buffer itself)
+        batch = AttentionBatch(g["slots"], torch.zeros(1, 1, dtype=torch.int64), torch.tensor([size]),
+                               torch.tensor([0, size]), bs, [size], [size], gpu=meta)
+        batch._cache["device_plan"] = {"context_slots": g["slots"].view(1, size)}
+        g["batch"] = batch
+
+        def forward():
+            hidden = self.model(g["ids"], g["positions"], g["batch"])
+            return self.model.compute_logits(hidden.index_select(0, g["last"]))
+
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):   # compile kernels and set up cuBLAS outside the capture
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        if self._prefill_pool is None:
+            self._prefill_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._prefill_pool):
+            g["logits"] = forward()
+        g["graph"] = graph
+        self.prefill_buckets[size] = g
+        return g
+
+    def _prefill_replay(self, seq: Sequence, n: int) -> torch.Tensor:
+        """Prefill ``seq``'s first ``n`` tokens with the bucket's graph; logits at token n-1."""
+        size = next(b for b in PREFILL_GRAPH_TOKENS if b >= n)
+        g = self.prefill_buckets.get(size) or self._prefill_capture(size)
+        bs = self.pool.block_size
+        g["copied"].synchronize()               # the last replay's copies have read the buffer
+        h = g["host"].numpy()
+        h[0, :n] = seq.token_slice(0, n)
+        h[0, n:] = 0
+        h[1, :] = range(size)                   # padding continues the positions (within the context)
+        pos = h[1, :n]
+        table = seq.block_table
+        h[2, :n] = [table[p // bs] * bs + p % bs for p in pos.tolist()]
+        h[2, n:] = self.spare_block * bs + torch.arange(size - n).numpy() % bs
+        h[3, 0] = n - 1
+        g["ids"].copy_(g["host"][0], non_blocking=True)
+        g["positions"].copy_(g["host"][1], non_blocking=True)
+        g["slots"].copy_(g["host"][2], non_blocking=True)
+        g["last"].copy_(g["host"][3, :1], non_blocking=True)
+        g["copied"].record()
+        g["graph"].replay()
+        self.prefill_replays += 1
+        seq.num_computed += n
+        return g["logits"].clone()
 
     def _gpu_meta(self, batch: AttentionBatch) -> GpuAttentionMeta:
         from lodestar.kernels.triton_attention import grid_splits, num_partitions

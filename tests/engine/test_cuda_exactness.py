@@ -174,3 +174,45 @@ def test_overlapped_decode_matches_step_by_step_on_cuda(gpu_engine):
         assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
     finally:
         gpu_engine.overlap = True
+
+
+def test_prefill_graphs_match_eager_prefill(gpu_engine):
+    """A whole prompt's prefill replayed from a token-count bucket's graph (padded to 64 or
+    128 tokens) gives the eager prefill's logits within bf16 tolerance and the same greedy
+    token, writes the same K/V at the prompt's slots and nothing at any other sequence's;
+    a second prompt in the same bucket reuses the graph."""
+    from lodestar.engine.sequence import Sequence
+    runner = gpu_engine.runner
+    vocab = gpu_engine.loaded.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    layer = gpu_engine.loaded.model.attention_layers[0]
+    bs = gpu_engine.pool.block_size
+    saved = runner.prefill_graphs
+    try:
+        for n in (50, 100, 61):
+            prompt = torch.randint(10, vocab, (n,), generator=g).tolist()
+            got = {}
+            for on in (False, True):
+                runner.prefill_graphs = on
+                seq = Sequence(10**6 + n + on, prompt, None)
+                guard = Sequence(2 * 10**6 + n + on, prompt[:20], None)   # another sequence's blocks
+                runner.ensure_blocks(guard, 20)
+                before = layer.k_cache[guard.block_table[0] * bs:(guard.block_table[0] + 1) * bs].clone()
+                replays = runner.prefill_replays
+                logits = runner.run([seq], [n])
+                assert runner.prefill_replays == replays + on
+                slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(n)], device=logits.device)
+                got[on] = (logits.float(), layer.k_cache[slots].float().clone())
+                assert torch.equal(layer.k_cache[guard.block_table[0] * bs:(guard.block_table[0] + 1) * bs], before)
+                assert seq.num_computed == n
+                gpu_engine.pool.free(seq.block_table)
+                gpu_engine.pool.free(guard.block_table)
+            (la, ka), (lb, kb) = got[False], got[True]
+            scale = float(la.abs().max())
+            assert float((la - lb).abs().max()) <= 2e-2 * scale, n
+            assert int(la.argmax()) == int(lb.argmax()) or float(la.max() - la[0, int(lb.argmax())]) < 1e-2 * scale
+            torch.testing.assert_close(ka, kb, rtol=2e-2, atol=2e-2 * float(ka.abs().max()))
+        assert set(runner.prefill_buckets) == {64, 128}
+    finally:
+        runner.prefill_graphs = saved
+    assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
