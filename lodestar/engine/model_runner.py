@@ -170,7 +170,9 @@ class ModelRunner:
         # the tokens' own slots (the device plan is the slot buffer itself)
         batch = AttentionBatch(g["slots"], torch.zeros(1, 1, dtype=torch.int64), torch.tensor([size]),
                                torch.tensor([0, size]), bs, [size], [size], gpu=meta)
-        batch._cache["device_plan"] = {"context_slots": g["slots"].view(1, size)}
+        plan = batch._cache["device_plan"] = {"context_slots": g["slots"].view(1, size)}
+        for window in {None} | {getattr(l, "sliding_window", None) for l in self.model.attention_layers}:
+            plan[("mask", window)] = None     # the causal path takes no mask (size <= every window)
         g["batch"] = batch
 
         def forward():

@@ -867,6 +867,32 @@ if triton_enabled():
         return acc
 
     @triton.jit
+    def _store_rows(y, part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n, stride_om, stride_split,
+                    SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr):
+        """Store a program's row sums ``y [BN]``: into ``out`` (one split), else into its split's
+        fp32 partials; with LAST_SUMS the last of the tile's SPLIT programs to arrive adds the
+        partials in split order into ``out`` and puts the tile's counter back to 0."""
+        row_offs = pid_m.to(tl.int64) * stride_om + offs_n
+        if SPLIT == 1:
+            tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            tl.store(part_ptr + pid_s * stride_split + row_offs, y, mask=mask_n)
+            if LAST_SUMS:
+                # Every thread's partial is stored before the counter moves (barrier, then a
+                # release); the last arrival reads the others' partials from L2 after its acquire.
+                tl.debug_barrier()
+                tile = pid_m * tl.num_programs(1) + pid_n
+                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT - 1:
+                    tl.debug_barrier()
+                    total = tl.load(part_ptr + row_offs, mask=mask_n, other=0.0, cache_modifier=".cg")
+                    for s in tl.static_range(1, SPLIT):
+                        total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
     def _gemv_kernel(xw_ptr, d1_ptr, xsum_ptr, part_ptr, out_ptr, count_ptr, codes_ptr, high_ptr, d_ptr,
                      dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
                      K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
@@ -924,26 +950,8 @@ if triton_enabled():
                 acc = _tile_acc(acc, _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr,
                                                  sc_ptr, m_ptr, pid_m, rows, mask_n, g,
                                                  (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
-        y = tl.sum(acc, axis=1)                                     # [BN]
-        row_offs = pid_m.to(tl.int64) * stride_om + offs_n
-        if SPLIT == 1:
-            tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
-        else:
-            tl.store(part_ptr + pid_s * stride_split + row_offs, y, mask=mask_n)
-            if LAST_SUMS:
-                # Every thread's partial is stored before the counter moves (barrier, then a
-                # release); the last arrival reads the others' partials from L2 after its acquire.
-                tl.debug_barrier()
-                tile = pid_m * tl.num_programs(1) + pid_n
-                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT - 1:
-                    tl.debug_barrier()
-                    total = tl.load(part_ptr + row_offs, mask=mask_n, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLIT):
-                        total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
+                    stride_om, stride_split, SPLIT, LAST_SUMS)
 
     @triton.jit
     def _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
@@ -1130,24 +1138,8 @@ if triton_enabled():
             for t in range(0, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
-        y = tl.sum(acc, axis=1)
-        row_offs = pid_m.to(tl.int64) * stride_om + offs_n
-        if SPLIT == 1:
-            tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
-        else:
-            tl.store(part_ptr + pid_s * stride_split + row_offs, y, mask=mask_n)
-            if LAST_SUMS:
-                tl.debug_barrier()
-                tile = pid_m * tl.num_programs(1) + pid_n
-                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT - 1:
-                    tl.debug_barrier()
-                    total = tl.load(part_ptr + row_offs, mask=mask_n, other=0.0, cache_modifier=".cg")
-                    for s in tl.static_range(1, SPLIT):
-                        total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
-                                         cache_modifier=".cg")
-                    tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
+                    stride_om, stride_split, SPLIT, LAST_SUMS)
 
     @triton.jit
     def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
