@@ -13,7 +13,8 @@
 # and the next one runs. The whole run stays under BUDGET_S seconds (default 530).
 # Writes under $OUT: pytest.xml (GPU tests), pytest-tp.xml (two-GPU tests), bench.json (all measurements, errors and
 # stage exit codes), sweep.csv + sweep.svg (decode speed against context), gemv-variants.json
-# (matrix-vector tilings and loop forms per 8B shape), log.txt.
+# (matrix-vector tilings and loop forms per 8B shape), dense-variants.json (the same for the dense
+# bf16 kernel), log.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the results folder}
@@ -117,6 +118,7 @@ bench ab 200
 bench hostprof 60
 bench prefillgraph 150
 stage gemvvar 170 bash -c "$PY -m lodestar.bench.gemv_variants --budget \${GEMVVAR_BUDGET:-90} \${GEMVVAR_ONLY:+--only \$GEMVVAR_ONLY} \${GEMVVAR_QTYPES:+--qtypes \$GEMVVAR_QTYPES} > '$OUT/gemv-variants.json'"
+stage densevar 200 bash -c "$PY -m lodestar.bench.gemv_variants --dense --budget \${DENSEVAR_BUDGET:-120} > '$OUT/dense-variants.json'"
 bench densegemv 100
 bench tp 150
 bench tp70 120

@@ -18,6 +18,10 @@ fit is listed under ``skipped``.
 
     python -m lodestar.bench.gemv_variants [--qtypes Q4_0,Q4_K] [--iters 20] [--budget 90] > gemv.json
 
+``--dense`` times the dense bf16 kernel (``triton_dense``) the same way over the same shapes:
+the shape's current config, the rule and ``DENSE_CONFIGS`` (a K split's sum kernel counted in
+its time); its ``table`` holds ``BF16:n,k`` entries.
+
 Progress goes to stderr. Nothing GPU-only is imported until ``run`` is called.
 """
 from __future__ import annotations
@@ -247,13 +251,124 @@ def run(device: str = "cuda", qtypes: tuple[str, ...] = ("Q4_0", "Q4_K"), iters:
     return results
 
 
+# Dense bf16 tilings (``triton_dense.DenseGemvConfig``: block_n, block_k, split, warps) timed by
+# ``--dense`` besides the shape's current config.
+DENSE_CONFIGS = ("4,512,1,4", "4,512,2,4", "4,512,4,4", "4,256,1,4", "4,1024,1,4", "4,1024,1,8", "4,512,1,2",
+                 "2,512,1,4", "2,1024,1,4", "2,512,1,2", "8,512,1,4", "8,512,1,8", "8,256,1,4", "8,1024,1,8",
+                 "16,512,1,8", "4,256,2,4", "8,512,2,8", "2,256,1,2")
+
+
+def _dense_weights(n: int, k: int, device: str) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+    copies = [w]
+    while len(copies) * w.nbytes < ROTATE_BYTES:
+        copies.append(w.clone())
+    return copies
+
+
+def _time_dense(x: torch.Tensor, weights: list[torch.Tensor], cfg, iters: int) -> tuple[list[float], torch.Tensor]:
+    """Per-launch microseconds (a K split's sum kernel included) over graph replays."""
+    from lodestar.kernels import triton_dense as td
+    out = td.dense_gemv(x, weights[0], torch.float32, config=cfg)     # compiles
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        td.dense_gemv(x, weights[0], config=cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(REPS):
+            td.dense_gemv(x, weights[i % len(weights)], config=cfg)
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / REPS)
+    del graph
+    return times, out
+
+
+def run_dense(device: str = "cuda", iters: int = 20, budget_s: float = 90.0,
+              configs: tuple[str, ...] = DENSE_CONFIGS) -> dict:
+    """The dense bf16 kernel over the 8B shapes: the shape's config (``config_for``: shipped
+    table or rule), the rule, and ``configs``; best per shape, whole-token time, and a
+    ``table`` of ``BF16:n,k`` entries (``LODESTAR_GEMV_TABLE`` reads it)."""
+    from lodestar.kernels import triton_dense as td
+    start = time.monotonic()
+    dev = torch.device(device)
+    props = torch.cuda.get_device_properties(dev)
+    bw = copy_bandwidth(device, iters)
+    _log(f"copy bandwidth {bw['tb_per_s']} TB/s")
+    results: dict = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                     "copy_bandwidth": bw, "reps_per_graph": REPS, "iters": iters, "results": {}, "skipped": []}
+    best, table, token = {}, {}, {"current": 0.0, "best_per_shape": 0.0}
+    for shape, (n, k) in SHAPES.items():
+        weights = _dense_weights(n, k, device)
+        x = torch.randn(1, k, generator=torch.Generator(device=device).manual_seed(SEED), device=device
+                        ).to(torch.bfloat16)
+        current = td.config_text(td.config_for(n, k, dev))
+        cands = [("current", current), ("rule", td.config_text(td.default_config(n, k)))]
+        cands += [(c, c) for c in configs]
+        seen, res, ref = set(), results["results"].setdefault(shape, {}), None
+        for name, text in cands:
+            cfg = td.parse_config(text)
+            if cfg in seen or (name not in ("current", "rule") and time.monotonic() - start > budget_s):
+                if cfg not in seen:
+                    results["skipped"].append(f"{shape}/{name}")
+                continue
+            seen.add(cfg)
+            rec = res.setdefault(name, {"config": text})
+            try:
+                times, out = _time_dense(x, weights, cfg, iters)
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            rec["us"] = _stat(times)
+            rate = weights[0].nbytes / (rec["us"]["median"] * 1e-6)
+            rec["tb_per_s"] = round(rate / 1e12, 3)
+            rec["fraction_of_copy_bw"] = round(rate / bw["bytes_per_s"], 3)
+            if ref is None:
+                ref = out
+            else:
+                rec["max_diff_vs_current"] = float((out - ref).abs().max()) / (float(ref.abs().max()) or 1.0)
+            _log(f"[{time.monotonic() - start:5.1f}s] BF16 {shape} {name} {text}: {rec['us']['median']} us, "
+                 f"{rec['tb_per_s']} TB/s")
+        timed = {nm: r for nm, r in res.items() if "us" in r}
+        if "current" in timed:
+            nm = min(timed, key=lambda c: timed[c]["us"]["median"])
+            best[shape] = {"name": nm, "config": timed[nm]["config"], "us": timed[nm]["us"]["median"],
+                           "current_us": timed["current"]["us"]["median"],
+                           "speedup": round(timed["current"]["us"]["median"] / timed[nm]["us"]["median"], 3)}
+            table[f"BF16:{n},{k}"] = timed[nm]["config"]
+            token["current"] += PER_TOKEN[shape] * timed["current"]["us"]["median"]
+            token["best_per_shape"] += PER_TOKEN[shape] * timed[nm]["us"]["median"]
+        del weights
+        torch.cuda.empty_cache()
+    results["summary"] = {"best": best}
+    if len(best) == len(SHAPES):
+        results["summary"]["token_us"] = {k: round(v, 1) for k, v in token.items()}
+    results["table"] = table
+    results["seconds"] = round(time.monotonic() - start, 1)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--qtypes", default="Q4_0,Q4_K", help="comma list of weight types")
     p.add_argument("--iters", type=int, default=20, help="graph replays per config")
     p.add_argument("--budget", type=float, default=90.0, help="seconds; configs past it are skipped")
     p.add_argument("--only", default="", help="comma list of variant / tiling names (default: all)")
+    p.add_argument("--dense", action="store_true", help="time the dense bf16 kernel's tilings instead")
     args = p.parse_args(argv)
+    if args.dense:
+        print(json.dumps(run_dense("cuda", args.iters, args.budget), indent=1))
+        return
     only = tuple(n.strip() for n in args.only.split(",") if n.strip()) or None
     res = run("cuda", tuple(q.strip() for q in args.qtypes.split(",") if q.strip()), args.iters, args.budget, only)
     print(json.dumps(res, indent=1))

@@ -58,7 +58,7 @@ class EngineConfig:
     disk_max_bytes: int = 4 << 30
     device: str | None = None           # None: where the model was loaded; KV lives there too
     cuda_graphs: bool = True            # replay captured graphs for decode steps (CUDA only)
-    prefill_graphs: bool = False        # also for one whole prompt's prefill, per token-count bucket
+    prefill_graphs: bool = True         # also for one whole prompt's prefill, per token-count bucket
                                         # (CUDA, one rank; needs cuda_graphs)
     tensor_parallel: int = 1            # ranks; must match load_model(..., tensor_parallel=N) (1: as loaded)
     overlap_decode: bool | None = None  # queue the next greedy decode step before reading this one's

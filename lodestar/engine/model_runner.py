@@ -8,7 +8,7 @@ block that no sequence owns, and the graph runs the trunk and the head. Other st
 (prefill, mixed, or more rows than the largest bucket) run eagerly. Logits stay on the
 device; the sampler reads them there.
 
-Prefill graphs (``prefill_graphs``, off by default until timed on a GPU): a step that
+Prefill graphs (``prefill_graphs``, on by default with CUDA graphs): a step that
 prefills one whole prompt from position 0 (no cached prefix) replays a graph captured for
 the smallest token-count bucket (``PREFILL_GRAPH_TOKENS``) that holds it, because a
 prefill's eager launches cost the host more time than the GPU needs at a few hundred
@@ -74,7 +74,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, pool: BlockPool, kv_dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", max_model_len: int | None = None,
-                 cuda_graphs: bool = True, prefill_graphs: bool = False) -> None:
+                 cuda_graphs: bool = True, prefill_graphs: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.device = torch.device(device)
@@ -99,8 +99,10 @@ class ModelRunner:
         self.prefill_replays = 0
         self._prefill_pool = None
         windows = [l.sliding_window for l in layers if getattr(l, "sliding_window", None)]
-        # buckets a graph may serve: within the context and, for sliding-window models, the window
-        self.max_prefill_graph = min([PREFILL_GRAPH_TOKENS[-1], self.max_model_len] + windows)
+        # the largest bucket a graph may have: its padded positions stay within the context and,
+        # for sliding-window models, the window (0: none fits)
+        limit = min([self.max_model_len] + windows)
+        self.max_prefill_graph = max([b for b in PREFILL_GRAPH_TOKENS if b <= limit], default=0)
         for m in model.modules():
             if hasattr(m, "ensure_positions"):
                 m.ensure_positions(self.max_model_len + 1)

@@ -18,6 +18,31 @@ Decode (one new token per sequence), ``decode_attention`` [``decode_attention_re
     kernel (``block = table[key // block_size]``); sliding windows start the context at
     ``max(0, len - window)``.
 
+    Fused forms (decode fusions of ``triton_quant.fusions()``, read at each call; each one
+    removes a launch per layer and gives the same bits):
+
+    ``attn_reduce``: no second kernel. After storing its partials every program takes a
+    ticket on its (sequence, kv head)'s int32 counter (atomic add, acquire-release); the
+    program that draws the last ticket (``splits - 1``) combines the partials of the G
+    query heads, reading them past L1, with the same function as the reduce kernel
+    (``_combine_partials``, same chunks, same order: same bits), writes the output and
+    puts the counter back to 0. The counters (``decode_counters``, one zeroed buffer per
+    device, reserved for ``MIN_COUNTERS`` pairs at first use, so before any CUDA-graph
+    capture; or the caller's ``counters``) are thus at 0 for the next launch and graph
+    replay. The combine is a function the compiler does not inline, so its tiles get the
+    reduce kernel's register layout (inlined, the bf16 query tile's wider vectors would
+    change the order of the sums).
+
+    ``attn_rope`` (``decode_attention(new=NewTokens(...))``, rotary dim = head dim): q,
+    k and v come straight from the projection, not rotated, not stored. Every program
+    rotates the G query heads it reads (fp32, one rounding, the fused multiply-adds
+    ``triton_fused.rope_`` compiles to); the program that owns the last partition, the
+    only one to read key ``len - 1``, rotates the new key and stores it and the value at
+    the token's slot, then a block barrier, then its partitions. All memory accesses
+    follow the programmatic-dependent-launch wait. Output and caches are the bits of
+    ``rope_`` + store + attention; q is not rotated in place (nothing reads it after).
+    A partial rotary dim, a q not in the caches' dtype, or a prefill keeps ``rope_``.
+
 Prefill (several new tokens), ``prefill_attention``
     First version: torch SDPA over each sequence's context gathered from the pool (the
     gather indices and masks are the CPU path's plan, moved to the device once per step
@@ -28,10 +53,13 @@ Prefill (several new tokens), ``prefill_attention``
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import interpreted, pdl, triton_enabled
+from lodestar.kernels.triton_quant import fusions, interpreted, pdl, triton_enabled
 
 PARTITION = 256     # keys per decode partition
 SHORT_PARTITION = 64    # keys per partition when the visible context is at most SHORT_CONTEXT
@@ -40,6 +68,9 @@ BLOCK_N = 64        # keys per inner step
 REDUCE_CHUNK = 16   # partials combined per step of the reduce kernel
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # window passed to the kernels when every key is visible
+# Kernels run in Triton's interpreter (which then also runs them on CUDA tensors): loop
+# bounds become Python ints there (``_loop_bound``).
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _num_sms(device: torch.device) -> int:
@@ -60,15 +91,74 @@ def grid_splits(num_seqs: int, n_kv_heads: int, device: torch.device) -> int:
     return max(1, min(64, want))
 
 
+@dataclass
+class NewTokens:
+    """This decode step's un-rotated keys and values and what rotates them, for a
+    ``decode_attention`` that applies RoPE and stores the KV itself (fusion ``attn_rope``).
+
+    ``k``, ``v`` ``[B, Hk, D]`` (views into the q|k|v projection are fine), ``positions [B]``
+    and ``slots [B]`` (int64) of the one new token per sequence; ``cos``/``sin`` ``[P, D]``
+    fp32 rotate-half tables (``RotaryEmbedding.cos``/``sin``, rotary dim = head dim)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rope_fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, rotary_dim: int) -> bool:
+    """The decode kernel can rotate and store this step's q/k/v itself: every head dim
+    rotates (no pass-through tail) and q is already in the caches' dtype (the unfused
+    path would convert it after the rotation)."""
+    D = q.shape[-1]
+    return (rotary_dim == D and D % 2 == 0 and q.dtype == k_cache.dtype and k.shape[1:] == k_cache.shape[1:]
+            and v.shape[1:] == v_cache.shape[1:] and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+# Counter buffers of the fused combine, per device; the newest is used. Older ones stay
+# alive: a CUDA graph captured with one keeps its address.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+MIN_COUNTERS = 64 * 64      # (sequence, kv head) pairs: a 64-row decode graph with up to 64 kv heads
+
+
+def decode_counters(device: torch.device, n: int = 0) -> torch.Tensor:
+    """Zero-initialised int32 counters (at least ``n``) of the fused combine on ``device``,
+    one per (sequence, kv head); every launch leaves them at 0 again. Allocated at first
+    use for at least ``MIN_COUNTERS`` pairs, so the eager warm-up before a CUDA-graph
+    capture has reserved them; growing during a capture is an error."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode attention needs {n} combine counters inside a CUDA-graph capture; "
+                               f"reserve them first (triton_attention.decode_counters)")
+        size = max(n, MIN_COUNTERS, 2 * bufs[-1].numel() if bufs else 0)
+        bufs.append(torch.zeros(size, device=device, dtype=torch.int32))
+    return bufs[-1]
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
                      window: int | None = None, max_partitions: int | None = None,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, new: NewTokens | None = None,
+                     fuse_reduce: bool | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
     ``q [B, Hq, D]``; caches ``[slots, Hk, D]``; ``block_tables [B, W]`` and ``seq_lens [B]``
     int32 on the device. ``max_partitions`` bounds every sequence's partitions (pass it
     when the lengths are not known on the host, as in a CUDA graph). Returns ``[B, Hq, D]``.
+
+    ``new`` (fusion ``attn_rope``; see ``rope_fusable``): ``q`` is not rotated yet and this
+    step's K/V are not stored yet; the kernel does both, with the bits of
+    ``triton_fused.rope_`` + store. ``fuse_reduce`` (default: ``attn_reduce`` in
+    ``triton_quant.fusions()``): the partial kernel combines the partials itself, using
+    ``counters`` (default ``decode_counters(q.device)``; at least B * Hk int32 zeros, left
+    at zero).
     """
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
@@ -77,6 +167,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_partitions = num_partitions(block_tables.shape[1] * block_size)
     if splits is None:
         splits = grid_splits(B, Hk, q.device)
+    if fuse_reduce is None:
+        fuse_reduce = "attn_reduce" in fusions()
     part_o = torch.empty(B, Hq, max_partitions, D, device=q.device, dtype=torch.float32)
     part_m = torch.empty(B, Hq, max_partitions, device=q.device, dtype=torch.float32)
     part_l = torch.empty(B, Hq, max_partitions, device=q.device, dtype=torch.float32)
@@ -84,17 +176,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     win = int(window) if window else NO_WINDOW
     g_pad = max(16, 1 << (G - 1).bit_length())
     is_f32 = q.dtype == torch.float32
+    if fuse_reduce:
+        if counters is None:
+            counters = decode_counters(q.device, B * Hk)
+        elif counters.numel() < B * Hk or counters.dtype != torch.int32:
+            raise ValueError(f"counters: need {B * Hk} int32, got {counters.numel()} {counters.dtype}")
+    else:
+        counters = part_m       # never read: REDUCE is off
+    if new is not None:
+        if not rope_fusable(q, new.k, new.v, k_cache, v_cache, new.cos.shape[1]):
+            raise ValueError("decode_attention(new=...): rotary dim must equal the head dim and q must be in the "
+                             "caches' dtype (see rope_fusable)")
+        nk, nv, pos, cos, sin, slots = new.k, new.v, new.positions, new.cos, new.sin, new.slots
+    else:       # never read: ROPE is off
+        nk, nv, pos, cos, sin, slots = k_cache, v_cache, seq_lens, part_m, part_m, seq_lens
     _decode_partial_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_m, part_l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), scale * LOG2E, win, max_partitions,
+        out, counters, out.stride(0), out.stride(1),
+        nk, nv, pos, cos, sin, slots, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), cos.stride(0),
         G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=SHORT_PARTITION,
-        SHORT=SHORT_CONTEXT, SPLITS=splits,
-        IS_F32=is_f32, DOT_F32=interpreted(), num_warps=4, **pdl())
-    _decode_reduce_kernel[(B, Hq)](
-        part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), win, max_partitions, Hq,
-        D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT, CHUNK=REDUCE_CHUNK, num_warps=4,
-        **pdl())
+        SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
+        CHUNK=REDUCE_CHUNK, ROPE=new is not None, INTERP=_INTERP, num_warps=4, **pdl())
+    if not fuse_reduce:
+        _decode_reduce_kernel[(B, Hq)](
+            part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), win, max_partitions, Hq,
+            D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT, CHUNK=REDUCE_CHUNK,
+            INTERP=_INTERP, num_warps=4, **pdl())
     return out
 
 
@@ -178,13 +287,98 @@ if triton_enabled():
         return PART_SHORT + (PART - PART_SHORT) * long
 
     @triton.jit
+    def _loop_bound(x, INTERP: tl.constexpr):
+        """The scalar tensor ``x`` as a ``range`` bound. Compiled kernels take it as is (the
+        branch is resolved at compile time); Triton's interpreter holds scalars as
+        one-element arrays, which its ``range`` cannot take under NumPy 2, so there it
+        becomes a Python int."""
+        if INTERP:     # returned, not assigned: the interpreter turns assigned values into tensors
+            return int(x.handle.data.reshape(-1)[0])
+        return x
+
+    @triton.jit
+    def _rope_cols(x, partner, c, s, first):
+        """Rotate-half RoPE of a row (or rows) ``x`` whose columns' rotation partners are
+        ``partner`` (column d + D/2 for the first half, d - D/2 for the second; ``first``
+        marks the first half), by the fp32 ``c``/``s`` of each column, rounded once to x's
+        dtype: the bits of ``triton_fused._rope_rows``. Its ``f1 * c - f2 * s`` and
+        ``f2 * c + f1 * s`` are compiled (sm_90, every head count and dtype) to
+        ``fma(f1, c, -(f2 * s))`` and ``fma(f2, c, f1 * s)``, which is written out here:
+        left to the compiler in another kernel, the second sum was fused the other way
+        round. ``* -1.0`` is an exact sign flip (unary minus is ``0 - x``: +0 for x = +0).
+        Columns rather than halves joined with ``tl.join``: a join upstream of ``tl.dot``
+        makes the compiler pick another operand layout (K order) for the product.
+        (The interpreter evaluates ``tl.fma`` unfused, as it evaluates both sums.)"""
+        ps = partner.to(tl.float32) * s
+        return tl.fma(x.to(tl.float32), c, tl.where(first, ps * -1.0, ps)).to(x.dtype)
+
+    @triton.jit
+    def _combine_partials(po_ptr, pm_ptr, pl_ptr, base, n_parts, D: tl.constexpr, CHUNK: tl.constexpr,
+                          CG: tl.constexpr, INTERP: tl.constexpr):
+        """One query head's output ``[D]`` (fp32) from its ``n_parts`` partials at ``base``:
+        CHUNK partials a step in partition order, running max and rescaled sums. Both the
+        reduce kernel and the fused combine of the partial kernel call this, so their bits
+        agree. CG: load through L2 only (partials that other programs just wrote)."""
+        offs_d = tl.arange(0, D)
+        m_run = tl.full([1], float("-inf"), tl.float32)
+        l_run = tl.zeros([1], tl.float32)
+        o_run = tl.zeros([D], tl.float32)
+        for c0 in range(0, _loop_bound(n_parts, INTERP), CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            mask = offs < n_parts
+            if CG:
+                m = tl.load(pm_ptr + base + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+                l = tl.load(pl_ptr + base + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                o = tl.load(po_ptr + (base + offs)[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0,
+                            cache_modifier=".cg")
+            else:
+                m = tl.load(pm_ptr + base + offs, mask=mask, other=float("-inf"))
+                l = tl.load(pl_ptr + base + offs, mask=mask, other=0.0)
+                o = tl.load(po_ptr + (base + offs)[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, 0))
+            alpha = tl.exp2(m_run - m_new)
+            w = tl.exp2(m - m_new)
+            l_run = l_run * alpha + tl.sum(w * l, 0)
+            o_run = o_run * alpha + tl.sum(w[:, None] * o, 0)
+            m_run = m_new
+        return o_run / l_run
+
+    @triton.jit(noinline=True)
+    def _combine_group(po_ptr, pm_ptr, pl_ptr, out_row, stride_oh, bh0, h0, max_parts, n_parts, G: tl.constexpr,
+                       D: tl.constexpr, CHUNK: tl.constexpr, INTERP: tl.constexpr):
+        """The fused combine: heads ``h0 .. h0 + G - 1`` (partial rows ``bh0 ..``) into ``out_row``.
+
+        A function of its own (not inlined), so that the compiler lays out its tiles from
+        its own loads and stores only, as in the reduce kernel: inlined into the partial
+        kernel, the [CHUNK, D] partials took the wider vector layout of the bf16 query
+        tile (same shape) and their sums another order."""
+        offs_d = tl.arange(0, D)
+        for g in range(G):
+            o = _combine_partials(po_ptr, pm_ptr, pl_ptr, (bh0 + g).to(tl.int64) * max_parts, n_parts, D, CHUNK,
+                                  True, INTERP)
+            tl.store(out_row + (h0 + g) * stride_oh + offs_d, o.to(out_row.dtype.element_ty))
+
+    @triton.jit
     def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, po_ptr, pm_ptr, pl_ptr,
                                stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
                                qk_scale, window, max_parts,
+                               out_ptr, cnt_ptr, stride_ob, stride_oh,
+                               nk_ptr, nv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
+                               stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cos,
                                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                BLOCK_N: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
                                SHORT: tl.constexpr, SPLITS: tl.constexpr,
-                               IS_F32: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                               IS_F32: tl.constexpr, DOT_F32: tl.constexpr, REDUCE: tl.constexpr,
+                               CHUNK: tl.constexpr, ROPE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+        """Program (sequence b, kv head, split): the partials of partitions split, split +
+        SPLITS, ... for the G query heads of the kv head (see the module docstring).
+
+        ROPE: ``q``, ``nk``, ``nv`` are this step's un-rotated query, key and value (one token
+        per sequence): every program rotates its G query heads in registers; the program
+        that owns the last partition (the one holding key L - 1) also rotates the new key and
+        stores it and the value at ``slot[b]`` of the caches, before its own loads of them.
+        REDUCE: the last program of (b, kv head) to take a ticket on ``cnt[b, kv head]``
+        combines the partials of the G heads into ``out`` and sets the counter back to 0."""
         _pdl_enter(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -198,21 +392,44 @@ if triton_enabled():
         offs_d = tl.arange(0, D)
         mask_g = offs_g < G
         heads = kvh * G + offs_g
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_g[:, None], other=0.0)
+        if ROPE:
+            HALF: tl.constexpr = D // 2
+            first = offs_d < HALF
+            partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+            pos = tl.load(pos_ptr + b).to(tl.int64)
+            # cos/sin rows are [cos(f), cos(f)]: the first half serves both halves (as _rope_kernel)
+            cos_d = tl.load(cos_ptr + pos * stride_cos + offs_d % HALF)
+            sin_d = tl.load(sin_ptr + pos * stride_cos + offs_d % HALF)
+            q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+            x = tl.load(q_row + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+            xp = tl.load(q_row + partner[None, :], mask=mask_g[:, None], other=0.0)
+            q = _rope_cols(x, xp, cos_d[None, :], sin_d[None, :], first[None, :])
+            q = tl.where(mask_g[:, None], q, 0.0)   # padding rows +0, as loaded unfused
+        else:
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=mask_g[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
         table = tables_ptr + b.to(tl.int64) * stride_tb
         k_head = k_ptr + kvh.to(tl.int64) * stride_kh
         v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+        if ROPE:
+            if split == (n_parts - 1) % SPLITS:     # this program reads key L - 1: store it first
+                new_slot = tl.load(slot_ptr + b).to(tl.int64)
+                k_new = nk_ptr + b.to(tl.int64) * stride_nkb + kvh * stride_nkh
+                k_rot = _rope_cols(tl.load(k_new + offs_d), tl.load(k_new + partner), cos_d, sin_d, first)
+                tl.store(k_head + new_slot * stride_ks + offs_d, k_rot.to(k_ptr.dtype.element_ty))
+                v_new = tl.load(nv_ptr + b.to(tl.int64) * stride_nvb + kvh * stride_nvh + offs_d)
+                tl.store(v_head + new_slot * stride_vs + offs_d, v_new.to(v_ptr.dtype.element_ty))
+                tl.debug_barrier()      # every thread's stores are seen by the block loads below
         part_base = (b * Hq + heads).to(tl.int64) * max_parts                       # [G_PAD]
-        for p in range(split, n_parts, SPLITS):
+        for p in range(_loop_bound(split, INTERP), _loop_bound(n_parts, INTERP), SPLITS):
             lo = start + p * part
             hi = tl.minimum(lo + part, L)
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
-            for j0 in range(lo, hi, BLOCK_N):
+            for j0 in range(_loop_bound(lo, INTERP), _loop_bound(hi, INTERP), BLOCK_N):
                 offs_j = j0 + tl.arange(0, BLOCK_N)
                 mask_j = offs_j < hi
                 blk = tl.load(table + offs_j // BS, mask=mask_j, other=0)
@@ -242,12 +459,23 @@ if triton_enabled():
             tl.store(pm_ptr + idx, m_i, mask=mask_g)
             tl.store(pl_ptr + idx, l_i, mask=mask_g)
             tl.store(po_ptr + idx[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
+        if REDUCE:
+            # Every thread's partials are stored before the ticket (barrier, then a release);
+            # the last arrival reads the others' partials from L2 after its acquire.
+            tl.debug_barrier()
+            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                tl.debug_barrier()
+                _combine_group(po_ptr, pm_ptr, pl_ptr, out_ptr + b.to(tl.int64) * stride_ob, stride_oh, b * Hq + kvh * G,
+                               kvh * G, max_parts, n_parts, G, D, CHUNK, INTERP)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, lens_ptr, out_ptr, stride_ob, stride_oh,
                               window, max_parts, Hq,
                               D: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
-                              SHORT: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                              SHORT: tl.constexpr, CHUNK: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -257,20 +485,5 @@ if triton_enabled():
         n_parts = tl.cdiv(L - start, part)
         base = (b * Hq + h).to(tl.int64) * max_parts
         offs_d = tl.arange(0, D)
-        m_run = tl.full([1], float("-inf"), tl.float32)
-        l_run = tl.zeros([1], tl.float32)
-        o_run = tl.zeros([D], tl.float32)
-        for c0 in range(0, n_parts, CHUNK):
-            offs = c0 + tl.arange(0, CHUNK)
-            mask = offs < n_parts
-            m = tl.load(pm_ptr + base + offs, mask=mask, other=float("-inf"))
-            l = tl.load(pl_ptr + base + offs, mask=mask, other=0.0)
-            o = tl.load(po_ptr + (base + offs)[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
-            m_new = tl.maximum(m_run, tl.max(m, 0))
-            alpha = tl.exp2(m_run - m_new)
-            w = tl.exp2(m - m_new)
-            l_run = l_run * alpha + tl.sum(w * l, 0)
-            o_run = o_run * alpha + tl.sum(w[:, None] * o, 0)
-            m_run = m_new
-        out = o_run / l_run
+        out = _combine_partials(po_ptr, pm_ptr, pl_ptr, base, n_parts, D, CHUNK, False, INTERP)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))

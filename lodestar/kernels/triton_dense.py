@@ -30,6 +30,22 @@ is exact too but measured slower on the H200 (see ``FUSE_MAX_WEIGHT``).
 
 Either gives the same bits as the unfused kernels. Shared by ``triton_fused``, the
 helpers live here (this module's kernels exist whenever Triton imports).
+
+Epilogue fusion (``glu_epilogue`` of ``triton_quant.fusions``): the consumer's work done by
+the kernel itself, saving the activation kernel's launch after a gate|up projection.
+
+``dense_gemv_glu`` [``silu_mul(*dense_gemv(x, w).split(F, -1))``]
+    For a [gate; up] weight ``[2F, K]`` (a fused gate|up projection, one K split) the
+    kernel writes ``act(gate) * up`` ``[M, F]`` instead of gate|up. Same tiles, other rows:
+    program ``pid_n`` loads ``BLOCK_N / 2`` gate rows and the matching up rows interleaved
+    (tile row 2i: gate row r0 + i, 2i + 1: up row F + r0 + i, r0 = pid_n * BLOCK_N / 2), so
+    every output row's dot product runs the plain kernel's code and register layout; the
+    row sums are paired (``tl.split``), each rounded to bf16 as the plain store rounds it,
+    and go through ``_glu_act`` as in ``triton_fused._glu_kernel``: the same bits as the
+    projection then ``silu_mul`` / ``gelu_tanh_mul``. Combines with ``PendingNorm``. The
+    weight layout is unchanged (prefill's cuBLAS matmul reads the same matrix). The
+    Llama and Gemma 3 MLPs use it in one-row decode whenever the projection's tiling fits
+    (``glu_epilogue_fits``; ``CudaDenseLinear.forward_glu``).
 """
 from __future__ import annotations
 
@@ -76,10 +92,55 @@ def enabled() -> bool:
     return env != "0"
 
 
-def config_for(n: int, k: int) -> DenseGemvConfig:
-    """The tiling for an ``[n, k]`` weight (from the H200 sweep: narrow row tiles; long
-    rows split in four)."""
+def default_config(n: int, k: int) -> DenseGemvConfig:
+    """The tiling rule (from the first H200 sweep: narrow row tiles; long rows split in four)."""
     return DenseGemvConfig(4, 512 if k % 512 == 0 else 256, 4 if k >= 8192 else 1, 4)
+
+
+def parse_config(text: str) -> DenseGemvConfig:
+    """``"block_n,block_k,split,warps"`` (powers of two; block_k >= 16)."""
+    try:
+        bn, bk, split, warps = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"dense matrix-vector config {text!r}: expected block_n,block_k,split,warps") from None
+    for name, v in (("block_n", bn), ("block_k", bk), ("split", split), ("warps", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"dense matrix-vector config {text!r}: {name} must be a power of two")
+    if bk < 16:
+        raise ValueError(f"dense matrix-vector config {text!r}: block_k must be at least 16")
+    return DenseGemvConfig(bn, bk, split, warps)
+
+
+def config_text(cfg: DenseGemvConfig) -> str:
+    return f"{cfg.block_n},{cfg.block_k},{cfg.split},{cfg.warps}"
+
+
+def config_for(n: int, k: int, device: torch.device | None = None) -> DenseGemvConfig:
+    """The tiling for an ``[n, k]`` weight, first match wins: ``LODESTAR_DENSE_CONFIG=
+    block_n,block_k,split,warps`` (every shape); ``LODESTAR_GEMV_TABLE=file.json`` entries
+    ``BF16:n,k`` (the table ``python -m lodestar.bench.gemv_variants --dense`` prints);
+    the shipped ``triton_quant.TUNED_TABLE`` entry ``BF16:n,k`` for this GPU model
+    (``LODESTAR_GEMV_TABLE=off`` skips it); the rule (``default_config``). Read when a layer
+    is built."""
+    import json
+
+    from lodestar.kernels.triton_quant import TUNED_TABLE
+    fixed = os.environ.get("LODESTAR_DENSE_CONFIG", "").strip()
+    if fixed:
+        return parse_config(fixed)
+    table = os.environ.get("LODESTAR_GEMV_TABLE", "").strip()
+    key = f"BF16:{n},{k}"
+    if table and table != "off":
+        with open(table) as f:
+            doc = json.load(f)
+        text = doc.get("table", doc).get(key)
+        if text:
+            return parse_config(text)
+    elif not table and device is not None and device.type == "cuda":
+        text = json.loads(TUNED_TABLE.read_text()).get(torch.cuda.get_device_name(device), {}).get(key)
+        if text:
+            return parse_config(text)
+    return default_config(n, k)
 
 
 @dataclass
@@ -151,18 +212,60 @@ def dense_gemv(x: torch.Tensor | PendingNorm | PendingGlu, w: torch.Tensor, out_
     if w.shape[1] != k:
         raise ValueError(f"x has {k} columns, w has {w.shape[1]}")
     k_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k   # columns per split
+    split = triton.cdiv(k, k_split)       # rounding k_split up can leave a configured split empty
     w = w.contiguous()
     out_dtype = out_dtype or args["dtype"]
-    grid = (m, triton.cdiv(n, cfg.block_n), cfg.split)
+    grid = (m, triton.cdiv(n, cfg.block_n), split)
     out = torch.empty((m, n), dtype=out_dtype, device=w.device)
-    dst = out if cfg.split == 1 else torch.empty((cfg.split, m, n), dtype=torch.float32, device=w.device)
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=w.device)
     _dense_gemv_kernel[grid](args["x"], args["x2"], args["nw"], args["h"], args["sx"], args["eps"], w, dst, n, k,
                              k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=args["mode"],
                              HAS_RES=args["has_res"], ACT=args["act"], K_POW2=1 << (k - 1).bit_length(),
-                             num_warps=cfg.warps, **_pdl())
-    if cfg.split > 1:
+                             GLU_OUT=-1, num_warps=cfg.warps, **_pdl())
+    if split > 1:
         total = m * n
-        _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](dst, out, total, SPLIT=cfg.split, BLOCK=1024, **_pdl())
+        _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](dst, out, total, SPLIT=split, BLOCK=1024, **_pdl())
+    return out
+
+
+def glu_epilogue_fits(config: DenseGemvConfig, n: int, k: int) -> bool:
+    """Whether ``dense_gemv_glu`` can run an ``[n, k]`` [gate; up] weight with ``config``:
+    one K split (the activation needs whole sums), at least one (gate, up) pair per row
+    tile, and 16-byte weight rows (``k % 8``: the loads then vectorize as in the plain
+    kernel whatever the order of the rows, so the register layout, hence every row's order
+    of additions, is the plain kernel's)."""
+    return config.split == 1 and config.block_n >= 2 and n % 2 == 0 and k % 8 == 0
+
+
+def dense_gemv_glu(x: torch.Tensor | PendingNorm, w: torch.Tensor, act: int = SILU,
+                   config: DenseGemvConfig | None = None) -> torch.Tensor:
+    """``act(gate) * up`` -> ``[M, F]`` in x's dtype, where ``gate | up = x @ w.T`` and ``w
+    [2F, K]`` holds the gate rows then the up rows (a fused gate|up projection): one kernel,
+    the same bits as ``dense_gemv(x, w, config=config)`` split in halves then
+    ``triton_fused.silu_mul`` / ``gelu_tanh_mul`` (``act``: ``SILU`` / ``GELU_TANH``). ``x``
+    may be a ``PendingNorm``. ``config`` must pass ``glu_epilogue_fits``."""
+    cfg = config or DenseGemvConfig()
+    if isinstance(x, PendingGlu):
+        raise ValueError("dense_gemv_glu takes rows or a PendingNorm, not a PendingGlu")
+    if act not in (SILU, GELU_TANH):
+        raise ValueError(f"act {act!r}: expected SILU ({SILU}) or GELU_TANH ({GELU_TANH})")
+    args = _x_args(x)
+    m, k = args["shape"]
+    n2 = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"x has {k} columns, w has {w.shape[1]}")
+    if not glu_epilogue_fits(cfg, n2, k):
+        raise ValueError(f"dense_gemv_glu: config {config_text(cfg)} does not fit a [{n2}, {k}] gate|up weight "
+                         f"(needs split 1, block_n >= 2, an even row count and k % 8 == 0)")
+    f = n2 // 2
+    w = w.contiguous()
+    k_split = triton.cdiv(k, cfg.block_k) * cfg.block_k
+    out = torch.empty((m, f), dtype=args["dtype"], device=w.device)
+    grid = (m, triton.cdiv(f, cfg.block_n // 2), 1)
+    _dense_gemv_kernel[grid](args["x"], args["x2"], args["nw"], args["h"], args["sx"], args["eps"], w, out, f, k,
+                             k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=args["mode"],
+                             HAS_RES=args["has_res"], ACT=args["act"], K_POW2=1 << (k - 1).bit_length(),
+                             GLU_OUT=act, num_warps=cfg.warps, **_pdl())
     return out
 
 
@@ -296,16 +399,26 @@ if triton is not None:
     def _dense_gemv_kernel(x_ptr, x2_ptr, nw_ptr, h_ptr, sx, eps, w_ptr, out_ptr, N, K: tl.constexpr,
                            K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr,
-                           PDL: tl.constexpr):
+                           GLU_OUT: tl.constexpr, PDL: tl.constexpr):
         """X_MODE 0: x given (row stride ``sx``); 1: x = rms_norm(x + x2) with weight nw (h = x +
-        x2 written by the programs of row tile 0); 2: x = act(x) * x2. The first weight tile is
-        loaded before ``_pdl_enter``: weights are never written, so under programmatic
-        dependent launch that read overlaps the previous kernel's tail."""
+        x2 written by the programs of row tile 0); 2: x = act(x) * x2. GLU_OUT -1: out = x @ w.T
+        ([M, N], or [SPLIT, M, N] fp32 partials); 0 / 1 (one split; w is [gate; up], 2N rows):
+        out [M, N] = act(gate) * up with act silu / gelu_tanh (``dense_gemv_glu``). The first
+        weight tile is loaded before ``_pdl_enter``: weights are never written, so under
+        programmatic dependent launch that read overlaps the previous kernel's tail."""
         row = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = rows < N
+        if GLU_OUT >= 0:
+            # the same [BLOCK_N, BLOCK_K] tiles, other rows: tile row 2i is gate row r0 + i and
+            # tile row 2i + 1 up row N + r0 + i (r0 = pid_n * BLOCK_N / 2)
+            t = tl.arange(0, BLOCK_N)
+            units = pid_n * (BLOCK_N // 2) + t // 2
+            mask_n = units < N
+            rows = units + (t % 2) * N
+        else:
+            rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = rows < N
         lanes = tl.arange(0, BLOCK_K)
         k0 = pid_k * K_SPLIT
         EVEN: tl.constexpr = K % K_SPLIT == 0 and K_SPLIT % BLOCK_K == 0
@@ -327,10 +440,19 @@ if triton is not None:
             wv = _dense_w_tile(w_ptr, rows, mask_n, cols, K, EVEN)
             acc += wv.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)
-        # split partials: [SPLIT, M, N] fp32; one split: [M, N] in the output dtype
-        M = tl.num_programs(0)
-        dst = out_ptr + (pid_k * M + row).to(tl.int64) * N + rows
-        tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+        if GLU_OUT >= 0:
+            # (gate, up) pairs of the tile, each rounded as the plain kernel stores it, then
+            # the activation as triton_fused._glu_kernel computes it from those stored values
+            g, u = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            dt = out_ptr.dtype.element_ty
+            z = _glu_act(g.to(dt).to(tl.float32), u.to(dt).to(tl.float32), GLU_OUT).to(dt)
+            units = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_ptr + row.to(tl.int64) * N + units, z, mask=units < N)
+        else:
+            # split partials: [SPLIT, M, N] fp32; one split: [M, N] in the output dtype
+            M = tl.num_programs(0)
+            dst = out_ptr + (pid_k * M + row).to(tl.int64) * N + rows
+            tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
     @triton.jit
     def _dense_split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

@@ -47,7 +47,7 @@ Kernels (reference in brackets, same module):
     replay give the same tokens as single-stream decode).
 
     Word-tile form (``GemvConfig.words``; the rule's choice for ``WORDS_TYPES``: Q4_0, Q4_1,
-    Q4_K; Q5_K, Q6_K and Q8_0 run it when a config asks, ``WORDS_CAPABLE``, not yet timed on
+    Q4_K, Q6_K, Q8_0; Q5_K runs it when a config asks, ``WORDS_CAPABLE``, not yet timed on
     a GPU): ``_gemv_words_kernel`` holds a tile as ``[block_n, 4 * tile_groups]`` code words,
     four (one group) per thread in one 16-byte load, so that the x words (one 16-byte load
     per term and half, shared by the thread's rows), the dp4a products and the per-group
@@ -78,8 +78,8 @@ Kernels (reference in brackets, same module):
     per call into a temporary and runs one cuBLAS matmul (``matmul``).
 
 Decode fusions (``fusions()``, env ``LODESTAR_FUSE``: unset or ``1`` all, ``0`` none, or a
-comma list of ``quant``, ``split_sum``, ``residual``, ``dense_norm``) only remove kernel
-launches; with any of them on or off the results are the same bits.
+comma list of ``quant``, ``split_sum``, ``residual``, ``dense_norm``, ``attn_rope``,
+``attn_reduce``, ``glu_epilogue``) only remove kernel launches; with any of them on or off the results are the same bits.
 
 ``import triton`` happens only when CUDA is available or ``TRITON_INTERPRET=1`` (the
 interpreter runs the same kernels on CPU tensors, which is how the tests exercise them
@@ -139,7 +139,7 @@ _PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
 _PDL_DEVICE: bool | None = None
 
 
-FUSIONS = ("quant", "split_sum", "residual", "dense_norm")
+FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "glu_epilogue")
 
 
 def fusions() -> frozenset[str]:
@@ -149,7 +149,12 @@ def fusions() -> frozenset[str]:
     quantized x of the projection they feed; ``split_sum``: K splits are added inside the
     matrix-vector kernel; ``residual``: a block's last residual add runs inside the next
     RMSNorm; ``dense_norm``: a small one-row dense (``triton_dense``) projection computes
-    the RMSNorm (with its residual add) that feeds it in its own prologue."""
+    the RMSNorm (with its residual add) that feeds it in its own prologue; ``attn_rope``: one-token
+    decode attention rotates q and the new key and stores the new key and value itself
+    (no separate RoPE + KV-store kernel); ``attn_reduce``: the last decode-attention program of
+    a (sequence, kv head) combines its partials (no separate reduce kernel);
+    ``glu_epilogue``: a one-row dense gate|up projection applies the gated activation to its
+    own output (no separate SiLU·mul kernel)."""
     env = os.environ.get("LODESTAR_FUSE", "1").strip()
     if env in ("", "1"):
         return frozenset(FUSIONS)
@@ -379,11 +384,13 @@ GEMV_VARIANTS: dict[str, dict[str, int | bool]] = {
     "words_tg16": {"words": True, "tile_groups": 16},
     "words_stages3": {"words": True, "tile_groups": 32, "stages": 3},
 }
-# Types the tiling rule gives the word-tile kernel.
-WORDS_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+# Types the tiling rule gives the word-tile kernel. Q6_K and Q8_0 joined after run 18 on the
+# H200 (8B shapes, kernel time with the rule's word tiles vs the group-tile kernel: Q6_K
+# 1.4-2.0x faster, Q8_0 1.4-1.8x; bench/results/h200-gemv-variants-run18.json).
+WORDS_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0)
 # Types the word-tile kernel can run when a config asks for it (the rule picks it for
-# WORDS_TYPES only; Q5_K, Q6_K and Q8_0 have not been timed on a GPU in this form yet).
-WORDS_CAPABLE = WORDS_TYPES + (T.Q5_K, T.Q6_K, T.Q8_0)
+# WORDS_TYPES only; Q5_K has not been timed on a GPU in this form yet).
+WORDS_CAPABLE = WORDS_TYPES + (T.Q5_K,)
 
 _CONFIGS: dict[tuple, GemvConfig] = {}
 # K splits are added until there are this many programs per SM. Tiles of 16 rows x 16 groups

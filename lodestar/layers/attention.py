@@ -11,14 +11,22 @@ them out that way where it can), else a gather of its blocks. Both give the same
 On a CUDA device the batch also carries ``gpu`` (``GpuAttentionMeta``: device copies of
 the slots, block tables and lengths) and attention goes to
 ``lodestar.kernels.triton_attention``: a paged Triton decode kernel when every sequence
-has one new token, gather + SDPA otherwise.
+has one new token, gather + SDPA otherwise. In a decode step the kernel can also take
+this step's un-rotated q/k/v and do the RoPE and the KV store itself
+(``decode_new_tokens``, fusion ``attn_rope``); otherwise ``RotaryEmbedding.rotate_and_store``
+does them first.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from lodestar.kernels.triton_attention import NewTokens
+    from lodestar.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -171,13 +179,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, new: NewTokens | None = None) -> torch.Tensor:
     """Attention of new queries ``q [T, Hq, D]`` over each sequence's cached context.
 
-    Returns ``[T, Hq, Dv]``. The new tokens' K/V must already be written to the cache.
+    Returns ``[T, Hq, Dv]``. The new tokens' K/V must already be written to the cache,
+    unless ``new`` (``decode_new_tokens``: a GPU decode step, fusion ``attn_rope``) is given:
+    then q is not rotated yet and the decode kernel rotates it and k and stores k and v.
     """
     if batch.gpu is not None:
-        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window, new)
+    if new is not None:
+        raise ValueError("paged_attention(new=...) is for GPU decode steps only")
     plans = batch._seq_plans(sliding_window)
     q = q.contiguous()
     if len(plans) == 1:
@@ -221,12 +233,38 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, l
     return got.as_strided((1, h, length, d), (0, d, h * d, 1))
 
 
-def _gpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                   scale: float, sliding_window: int | None) -> torch.Tensor:
+def _is_decode(batch: AttentionBatch) -> bool:
+    """Every sequence has one new token: known on the host (a CUDA graph captures the decode
+    path for its batch shape), no device value is read."""
+    return max(batch.query_lens_list) == 1
+
+
+def decode_new_tokens(batch: AttentionBatch, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      rope: RotaryEmbedding) -> NewTokens | None:
+    """``triton_attention.NewTokens`` for a decode kernel that applies RoPE (``rope``'s
+    tables) to this step's un-rotated q and k and stores k and v itself
+    (fusion ``attn_rope``), or None when the step takes the separate RoPE + KV-store kernel:
+    not on the GPU, not a decode step, the fusion off, or a partial rotary dim / q not in
+    the caches' dtype (``triton_attention.rope_fusable``)."""
+    if batch.gpu is None or not _is_decode(batch) or q.shape[0] != batch.num_seqs:
+        return None
     from lodestar.kernels import triton_attention as ta
-    q = q.to(k_cache.dtype)
-    if max(batch.query_lens_list) == 1:
+    from lodestar.kernels.triton_quant import fusions
+    if "attn_rope" not in fusions() or not ta.rope_fusable(q, k, v, k_cache, v_cache, rope.rotary_dim):
+        return None
+    return ta.NewTokens(k, v, positions, batch.gpu.slot_mapping, rope.cos, rope.sin)
+
+
+def _gpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                   scale: float, sliding_window: int | None, new: NewTokens | None = None) -> torch.Tensor:
+    from lodestar.kernels import triton_attention as ta
+    if new is None:
+        q = q.to(k_cache.dtype)
+    if _is_decode(batch):
         g = batch.gpu
         return ta.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, batch.block_size, scale,
-                                   sliding_window, g.max_partitions, g.splits)
+                                   sliding_window, g.max_partitions, g.splits, new=new)
+    if new is not None:
+        raise ValueError("paged_attention(new=...) is for decode steps (one new token per sequence) only")
     return ta.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window)

@@ -14,7 +14,9 @@ Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K  ``CudaQuantLinear``: GGUF blocks repacked on
 F16, BF16, F32                      ``CudaDenseLinear`` over a bf16 copy (one bf16
                                     row runs the Triton matrix-vector kernel, which
                                     may compute x itself: ``PendingNorm`` or
-                                    ``PendingGlu`` from ``triton_dense``)
+                                    ``PendingGlu`` from ``triton_dense``; a gate|up
+                                    projection may apply the gated activation to
+                                    its own output: ``forward_glu``)
 Q5_0, Q5_1, Q2_K, Q3_K              ``CudaDenseLinear`` dequantized to bf16 at load
 ==================================  ===============================================
 
@@ -105,16 +107,25 @@ def takes_pending_input(module: object, x: torch.Tensor) -> bool:
             and module.runs_gemv(x))
 
 
+def takes_glu_epilogue(module: object, x) -> bool:
+    """Whether ``module`` is a dense gate|up projection whose matrix-vector kernel applies the
+    gated activation to its own output for rows like ``x`` (a tensor or a
+    ``triton_dense.PendingNorm``): ``CudaDenseLinear.forward_glu`` in one kernel (fusion
+    ``glu_epilogue``)."""
+    return isinstance(module, CudaDenseLinear) and module.fuses_glu(x)
+
+
 class CudaDenseLinear(nn.Module):
     """``y = x @ W.T`` with W dense (bf16 or fp32); y in x's dtype. ``x`` may also be a
     ``triton_dense.PendingNorm`` / ``PendingGlu``, computed inside the matrix-vector kernel
-    when it runs (else materialized first)."""
+    when it runs (else materialized first). A gate|up projection (gate rows, then as many
+    up rows) also has ``forward_glu``: ``act(gate) * up`` in one kernel for one row."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.gemv_config = _td.config_for(self.out_features, self.in_features)
+        self.gemv_config = _td.config_for(self.out_features, self.in_features, weight.device)
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +150,32 @@ class CudaDenseLinear(nn.Module):
                 return y.view(*x.shape[:-1], self.out_features)
             return F.linear(x, self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+    def fuses_glu(self, x) -> bool:
+        """``forward_glu`` runs rows like ``x`` (tensor or ``PendingNorm``) as one kernel:
+        they go through the matrix-vector kernel (``runs_gemv``) and its tiling for this
+        weight can apply the activation (``triton_dense.glu_epilogue_fits``: one K split)."""
+        if isinstance(x, _td.PendingNorm):
+            if x.x.dim() != 2:
+                return False
+            x = x.x
+        elif not isinstance(x, torch.Tensor):
+            return False
+        return self.runs_gemv(x) and _td.glu_epilogue_fits(self.gemv_config, self.out_features, self.in_features)
+
+    def forward_glu(self, x, act: int = _td.SILU) -> torch.Tensor:
+        """``act(gate) * up`` (``act``: ``triton_dense.SILU`` / ``GELU_TANH``) of this
+        projection's output halves ``gate | up``, for ``x`` a tensor or a ``PendingNorm``.
+        One kernel (``triton_dense.dense_gemv_glu``) when ``fuses_glu(x)``, else the
+        projection then the activation kernel: the same bits either way."""
+        if self.fuses_glu(x):
+            if isinstance(x, _td.PendingNorm):
+                return _td.dense_gemv_glu(x, self.weight, act, self.gemv_config)
+            y = _td.dense_gemv_glu(x.reshape(-1, self.in_features), self.weight, act, self.gemv_config)
+            return y.view(*x.shape[:-1], self.out_features // 2)
+        from lodestar.layers.activation import gelu_tanh_mul, silu_mul
+        gate, up = self(x).split(self.out_features // 2, dim=-1)
+        return (silu_mul if act == _td.SILU else gelu_tanh_mul)(gate, up)
 
 
 class CudaEmbedding(nn.Module):

@@ -49,6 +49,11 @@ class Gemma3MLP(nn.Module):
         self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self.gate_up, "forward_glu"):   # a CUDA dense gate|up (cuda_linear.CudaDenseLinear)
+            from lodestar.kernels.triton_dense import GELU_TANH
+            from lodestar.kernels.triton_quant import fusions
+            if "glu_epilogue" in fusions() and self.gate_up.fuses_glu(x):   # one kernel, the same bits
+                return self.down(self.gate_up.forward_glu(x, GELU_TANH))
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         return self.down(gelu_tanh_mul(gate, up))
 

@@ -98,12 +98,18 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if batch.gpu is not None:   # rotation and the KV store in one kernel
-            q = self.rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, batch.gpu.slot_mapping)
+        new = None
+        if batch.gpu is not None:
+            from lodestar.layers.attention import decode_new_tokens
+            # decode step, fusion attn_rope: the attention kernel rotates q and k and stores k, v
+            new = decode_new_tokens(batch, positions, q, k, v, self.k_cache, self.v_cache, self.rope)
+            if new is None:     # rotation and the KV store in one kernel
+                q = self.rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache,
+                                               batch.gpu.slot_mapping)
         else:
             q, k = self.rope(positions, q, k)
             write_kv(self.k_cache, self.v_cache, k, v, batch)
-        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
+        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, new)
         return self.o(o.reshape(T, -1))
 
 
@@ -122,8 +128,17 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
-    def forward(self, x, quantize: bool = False) -> torch.Tensor:
-        """``quantize`` (GPU): the activation kernel also quantizes its output for ``down``."""
+    def forward(self, x, quantize: bool = False, glu_epilogue: bool = False) -> torch.Tensor:
+        """``quantize`` (GPU): the activation kernel also quantizes its output for ``down``;
+        ``glu_epilogue`` (GPU, fusion of that name): a dense gate|up projection running one
+        row through its matrix-vector kernel applies the activation to its own output
+        (``CudaDenseLinear.forward_glu``; no activation kernel, same bits). ``x`` may be a
+        ``triton_dense.PendingNorm``."""
+        if glu_epilogue and not quantize:
+            from lodestar.kernels.triton_dense import SILU
+            from lodestar.layers.cuda_linear import takes_glu_epilogue
+            if takes_glu_epilogue(self.gate_up, x):
+                return self.down(self.gate_up.forward_glu(x, SILU))
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         if quantize:
             from lodestar.kernels import triton_fused
@@ -172,7 +187,7 @@ class LlamaBlock(nn.Module):
             h, y = self.ffn_norm.pending(x, attn_out)
         else:
             h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp)
-        return h, self.mlp(y, quantize=q_down)
+        return h, self.mlp(y, quantize=q_down, glu_epilogue="glu_epilogue" in fuse)
 
 
 class LlamaModel(nn.Module):

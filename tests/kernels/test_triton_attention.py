@@ -87,3 +87,120 @@ def test_prefill_matches_cpu_path(lens, qlens, window):
     want = paged_attention(q, kc, vc, cpu, 0.125, window)
     got = paged_attention(q.to(dev), kc.to(dev), vc.to(dev), _batch(lens, qlens, tables, dev), 0.125, window)
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------ decode fusions
+
+def _rope_tables(d: int, n: int, dev: str):
+    from lodestar.layers.rotary import RotaryEmbedding
+    rope = RotaryEmbedding(d, 10000.0, n)
+    return rope.cos.to(dev), rope.sin.to(dev)
+
+
+def _decode_step(hq, hk, d, lens, dtype, dev, seed=0):
+    """Pool, scattered tables and this step's un-rotated q/k/v of one new token per row."""
+    blocks = max(200, len(lens) * (-(-max(lens) // BS) + 2))
+    kc, vc = _pool(blocks, hk, d, dtype, dev, seed)
+    tables = _tables(lens, blocks, 2, seed).to(dev)
+    g = torch.Generator().manual_seed(seed + 7)
+    B = len(lens)
+    q, k, v = (torch.randn(B, h, d, generator=g) for h in (hq, hk, hk))
+    for x in (q, k):    # signed zeros: -0 in the first half with a positive partner
+        x[..., 0] = -0.0
+        x[..., d // 2] = x[..., d // 2].abs() + 0.5
+    q, k, v = (x.to(dtype).to(dev) for x in (q, k, v))
+    pos = torch.tensor(lens, device=dev) - 1
+    t = tables.long()
+    slots = t[torch.arange(B, device=dev), pos // BS] * BS + pos % BS
+    return kc, vc, tables, torch.tensor(lens, dtype=torch.int32, device=dev), q, k, v, pos, slots
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``torch.equal`` takes -0 for +0)."""
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
+FUSED_CASES = [  # (Hq, Hk, D, lens, window, splits): GQA groups 3 (SmolLM2), 4 (Llama-8B), 1
+    pytest.param(9, 3, 64, [1, 37, 300, 700], None, 3, id="smollm-gqa3"),
+    pytest.param(32, 8, 128, [5, 1100], None, 2, id="llama8b-gqa4-long"),
+    pytest.param(4, 4, 64, [2, 64, 65, 1000], 100, 16, id="gqa1-window"),
+    pytest.param(6, 2, 64, [129, 3], None, 1, id="gqa3-one-split"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("hq,hk,d,lens,window,splits", FUSED_CASES)
+def test_fused_decode_is_bit_identical(hq, hk, d, lens, window, splits, dtype):
+    """RoPE + KV store (``attn_rope``) and the combine of the partials (``attn_reduce``) inside
+    the partial kernel, together or alone, give the bits of rope_ + store + the two unfused
+    kernels: output and both caches (every slot); the counters are back at 0 after each call."""
+    from lodestar.kernels import triton_fused as tf
+    dev = kernel_device()
+    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, dtype, dev)
+    cos, sin = _rope_tables(d, max(lens) + 1, dev)
+    scale = d ** -0.5
+    parts = ta.num_partitions(tables.shape[1] * BS)
+    # unfused: rope_ rotates q, k in place and stores k, v; then partial + reduce kernels
+    kc_ref, vc_ref, q_ref, k_ref = kc.clone(), vc.clone(), q.clone(), k.clone()
+    tf.rope_(q_ref, k_ref, pos, cos, sin, d, v=v, k_cache=kc_ref, v_cache=vc_ref, slots=slots)
+    want = ta.decode_attention(q_ref, kc_ref, vc_ref, tables, sl, BS, scale, window, parts, splits, fuse_reduce=False)
+    new = ta.NewTokens(k, v, pos, slots, cos, sin)
+    counters = torch.zeros(len(lens) * hk, dtype=torch.int32, device=dev)
+    for fuse_reduce in (True, True, False):     # twice in a row: the counters must be back at 0
+        kc2, vc2 = kc.clone(), vc.clone()
+        got = ta.decode_attention(q, kc2, vc2, tables, sl, BS, scale, window, parts, splits, new=new,
+                                  fuse_reduce=fuse_reduce, counters=counters)
+        assert _same_bits(got, want), fuse_reduce
+        assert _same_bits(kc2, kc_ref) and _same_bits(vc2, vc_ref), fuse_reduce
+        assert not counters.any()
+    # the combine alone, on the caches rope_ wrote (default per-device counters)
+    got = ta.decode_attention(q_ref, kc_ref, vc_ref, tables, sl, BS, scale, window, parts, splits, fuse_reduce=True)
+    assert _same_bits(got, want)
+    assert not ta.decode_counters(torch.device(dev)).any()
+
+
+def test_fused_decode_matches_reference():
+    """The fused kernel against the torch reference (rotation by rope_ref, its keys in a
+    copy of the cache)."""
+    from lodestar.kernels import triton_fused as tf
+    dev = kernel_device()
+    hq, hk, d, lens = 8, 2, 64, [1, 200, 1030]
+    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, torch.float32, dev, seed=3)
+    cos, sin = _rope_tables(d, max(lens) + 1, dev)
+    got = ta.decode_attention(q, kc, vc, tables, sl, BS, 0.125, splits=4, new=ta.NewTokens(k, v, pos, slots, cos, sin),
+                              fuse_reduce=True)
+    qr, kr = tf.rope_ref(q, k, pos, cos, sin, d)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kc_ref[slots], vc_ref[slots] = kr, v
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    want = ta.decode_attention_ref(qr, kc_ref, vc_ref, tables, sl, BS, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_new_tokens_only_for_fusable_decode_steps(monkeypatch):
+    """``decode_new_tokens`` hands the step to the fused kernel only for a decode step with
+    ``attn_rope`` on and a full rotary dim; paged_attention with it equals rotate_and_store +
+    paged_attention (the layer's two paths)."""
+    from lodestar.layers.attention import decode_new_tokens
+    from lodestar.layers.rotary import RotaryEmbedding
+    dev = kernel_device()
+    lens = [40, 300]
+    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(8, 2, 64, lens, torch.bfloat16, dev, seed=5)
+    rope = RotaryEmbedding(64, 10000.0, 512).to(dev)
+    batch = _batch(lens, [1, 1], tables.cpu(), dev)
+    monkeypatch.setenv("LODESTAR_FUSE", "1")
+    new = decode_new_tokens(batch, pos, q, k, v, kc, vc, rope)
+    assert new is not None
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = paged_attention(q.clone(), kc2, vc2, batch, 0.125, None, new)
+    monkeypatch.setenv("LODESTAR_FUSE", "attn_reduce")
+    assert decode_new_tokens(batch, pos, q, k, v, kc, vc, rope) is None
+    q_rot = rope.rotate_and_store(pos, q.clone(), k.clone(), v, kc, vc, batch.gpu.slot_mapping)
+    want = paged_attention(q_rot, kc, vc, batch, 0.125)
+    assert _same_bits(got, want) and _same_bits(kc2, kc) and _same_bits(vc2, vc)
+    monkeypatch.setenv("LODESTAR_FUSE", "1")
+    partial = RotaryEmbedding(32, 10000.0, 512).to(dev)
+    assert decode_new_tokens(batch, pos, q, k, v, kc, vc, partial) is None           # rotary dim < head dim
+    prefill = _batch([40, 300], [2, 1], tables.cpu(), dev)
+    assert decode_new_tokens(prefill, pos, q, k, v, kc, vc, rope) is None           # not a decode step

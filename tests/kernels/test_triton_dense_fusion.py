@@ -2,11 +2,15 @@
 kernels: RMSNorm (with its residual add) computed in the kernel's prologue
 (``PendingNorm``, fusion ``dense_norm``) against ``rms_norm`` then the kernel, and the gated
 activation computed in its x loads (``PendingGlu``) against ``silu_mul`` / ``gelu_tanh_mul``
-then the kernel. Also: ``rms_norm`` spread over several programs per row gives the bits of one.
+then the kernel. The consumer fusion too: the gated activation applied by the gate|up
+projection to its own output (``dense_gemv_glu``, fusion ``glu_epilogue``, alone or with the
+norm in its prologue) against the projection then ``silu_mul`` / ``gelu_tanh_mul``, and the
+Llama and Gemma 3 MLPs with that fusion on and off. Also: ``rms_norm`` spread over several
+programs per row gives the bits of one.
 
 Runs on a CUDA device, or on the CPU under TRITON_INTERPRET=1 (see triton_helpers); there
-the weights keep their real K but only 20 rows, to bound the interpreter's time. The last
-test runs a small synthetic Llama on CUDA only.
+the weights keep their real K but only 20 rows (a dozen hidden units for gate|up), to bound
+the interpreter's time. The last test runs a small synthetic Llama on CUDA only.
 """
 from __future__ import annotations
 
@@ -124,6 +128,126 @@ def test_rms_norm_over_several_programs_per_row_gives_the_bits_of_one(d, residua
     want = tf.rms_norm_ref(x, w, EPS, residual=r)
     torch.testing.assert_close(y.float(), (want[0] if residual else want).float(),
                                rtol=8e-3 if dev == "cuda" else 1.6e-2, atol=1e-2)
+
+
+# One K split (the epilogue needs whole sums): BLOCK_N 4 and 8, block_k 512 and 256.
+GLU_CONFIGS = [pytest.param(td.DenseGemvConfig(4, 512, 1, 4), id="bn4-bk512"),
+               pytest.param(td.DenseGemvConfig(8, 256, 1, 8), id="bn8-bk256-warps8")]
+
+
+def _units(f: int, dev: str) -> int:
+    """Hidden units of a gate|up test weight: the real count on CUDA; on the CPU a few,
+    keeping whether ``f`` is a multiple of 4 (BLOCK_N / 2 of both configs)."""
+    return f if dev == "cuda" else (12 if f % 4 == 0 else 13)
+
+
+@pytest.mark.parametrize("cfg", GLU_CONFIGS)
+@pytest.mark.parametrize("k,f", [(576, 1536), (4096, 14336), (1000, 301)], ids=["smollm2_gate_up", "8b_gate_up", "odd"])
+@pytest.mark.parametrize("act", [td.SILU, td.GELU_TANH], ids=["silu", "gelu_tanh"])
+def test_activation_in_the_gate_up_epilogue_gives_the_bits_of_gemv_then_activation(k, f, act, cfg):
+    """``dense_gemv_glu`` (fusion ``glu_epilogue``) against the gate|up projection then the
+    activation kernel, for rows given, normalized in the prologue, and with a residual add
+    there too (whose sum ``h`` it writes)."""
+    dev = kernel_device()
+    f = _units(f, dev)
+    fn = tf.silu_mul if act == td.SILU else tf.gelu_tanh_mul
+    w = _weight(2 * f, k, seed=k + f, dev=dev)                   # [gate; up] rows, as split_fused splits them
+    norm_w = (torch.rand(k, generator=torch.Generator().manual_seed(2)) + 0.5).to(dev)
+    x = _x(1, k, seed=5).to(dev)
+    r = _x(1, k, seed=6, scale=1.0).to(dev)
+    for form in ("rows", "norm", "norm+residual"):
+        if form == "rows":
+            xin, h, got_x = x, None, x
+        else:
+            res = r if form == "norm+residual" else None
+            xin = td.PendingNorm.of(x, norm_w, EPS, residual=res)
+            if res is None:
+                y, h = tf.rms_norm(x, norm_w, EPS), x
+            else:
+                y, h = tf.rms_norm(x, norm_w, EPS, residual=res)
+            got_x = y
+        gate, up = td.dense_gemv(got_x, w, config=cfg).split(f, dim=-1)
+        want = fn(gate, up)
+        got = td.dense_gemv_glu(xin, w, act, cfg)
+        assert got.shape == (1, f) and _same_bits(got, want), form
+        if h is not None:
+            assert _same_bits(xin.h, h), form                    # the residual stream, written once
+
+
+def test_the_gate_up_epilogue_needs_one_split_and_pairs():
+    assert td.glu_epilogue_fits(td.DenseGemvConfig(4, 512, 1, 4), 28672, 4096)      # the 8B gate|up's rule
+    assert not td.glu_epilogue_fits(td.DenseGemvConfig(4, 512, 4, 4), 28672, 4096)  # K split
+    assert not td.glu_epilogue_fits(td.DenseGemvConfig(1, 512, 1, 4), 28672, 4096)  # no pair per tile
+    assert not td.glu_epilogue_fits(td.DenseGemvConfig(4, 512, 1, 4), 28671, 4096)  # odd rows
+    assert not td.glu_epilogue_fits(td.DenseGemvConfig(4, 512, 1, 4), 28672, 4092)  # rows not 16-byte
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not fit"):
+        td.dense_gemv_glu(torch.zeros(1, 64, dtype=torch.bfloat16), w, td.SILU, td.DenseGemvConfig(4, 32, 2, 4))
+
+
+def _mlp(kind: str, dev: str, monkeypatch):
+    """One MLP of a tiny BF16 Llama or Gemma 3 geometry with its CUDA layers (gate|up one
+    ``CudaDenseLinear``, 99 hidden units: not a multiple of BLOCK_N / 2). On the CPU the
+    layers are built and run as on a GPU (interpreter): CUDA-layer loading, the kernel for
+    CPU rows, and the activation kernel the GPU path calls."""
+    from lodestar.formats.synthetic import Geometry, SyntheticCheckpoint
+    from lodestar.layers import activation
+    from lodestar.layers.cuda_linear import CudaDenseLinear
+    from lodestar.models import gemma3, llama
+    from lodestar.models.weights import WeightLoader
+
+    ck = SyntheticCheckpoint(Geometry("llama", 256, 1, 4, 2, 64, 99, 10000.0, tied=True, vocab=64, context=64),
+                             "BF16", device=dev)
+    w = WeightLoader(ck, "packed", device=dev)
+    if dev == "cpu":
+        w.cuda = True
+        monkeypatch.setattr(CudaDenseLinear, "runs_gemv", lambda self, x: (
+            x.dtype == self.weight.dtype == torch.bfloat16 and x.numel() <= td.MAX_ROWS * x.shape[-1]
+            and td.enabled()))
+        for mod in (activation, llama, gemma3):
+            if hasattr(mod, "silu_mul"):
+                monkeypatch.setattr(mod, "silu_mul", tf.silu_mul)
+            if hasattr(mod, "gelu_tanh_mul"):
+                monkeypatch.setattr(mod, "gelu_tanh_mul", tf.gelu_tanh_mul)
+    cls = llama.LlamaMLP if kind == "llama" else gemma3.Gemma3MLP
+    mlp = cls(llama.LlamaArgs.from_config(ck.config), w, 0)
+    assert isinstance(mlp.gate_up, CudaDenseLinear)
+    return mlp
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_mlp_decode_output_does_not_depend_on_the_glu_epilogue(kind, monkeypatch):
+    """One-row decode through the MLP with ``LODESTAR_FUSE`` including and excluding
+    ``glu_epilogue``: the same bits (and residual stream), no activation kernel when on.
+    Llama also takes the RMSNorm left to gate|up (fusion ``dense_norm``)."""
+    from lodestar.kernels.triton_quant import FUSIONS, fusions
+    dev = kernel_device()
+    mlp = _mlp(kind, dev, monkeypatch)
+    launches = []
+    glu = tf._glu
+    monkeypatch.setattr(tf, "_glu", lambda *a: launches.append(a) or glu(*a))
+    x, r = _x(1, 256, seed=7).to(dev), _x(1, 256, seed=8, scale=1.0).to(dev)
+    norm_w = (torch.rand(256, generator=torch.Generator().manual_seed(3)) + 0.5).to(dev)
+
+    def run(fuse: str, form: str):
+        monkeypatch.setenv("LODESTAR_FUSE", fuse)
+        launches.clear()
+        res = r if form == "norm+residual" else None
+        xin = x if form == "rows" else td.PendingNorm.of(x, norm_w, EPS, residual=res)
+        if kind == "llama":
+            out = mlp(xin, glu_epilogue="glu_epilogue" in fusions())   # as LlamaBlock.forward_gpu passes it
+        else:
+            out = mlp(xin)                                              # reads fusions() itself
+        return out, None if form == "rows" else xin.h, len(launches)
+
+    for form in ("rows", "norm", "norm+residual") if kind == "llama" else ("rows",):
+        on, h_on, n_on = run("1", form)
+        off, h_off, n_off = run(",".join(n for n in FUSIONS if n != "glu_epilogue"), form)
+        assert (n_on, n_off) == (0, 1), form
+        assert on.shape == (1, 256) and torch.isfinite(on.float()).all()
+        assert _same_bits(on, off), form
+        if h_on is not None:
+            assert _same_bits(h_on, h_off), form
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
