@@ -170,6 +170,10 @@ def test_repeated_calls_on_the_same_buffers_give_the_same_bits(qtype, monkeypatc
 
 def test_fusion_switch(monkeypatch):
     monkeypatch.delenv("LODESTAR_FUSE", raising=False)
+    assert tq.fusions() == set(tq.DEFAULT_FUSIONS) < set(tq.FUSIONS)
+    monkeypatch.setenv("LODESTAR_FUSE", "default")
+    assert tq.fusions() == set(tq.DEFAULT_FUSIONS)
+    monkeypatch.setenv("LODESTAR_FUSE", "1")
     assert tq.fusions() == set(tq.FUSIONS)
     monkeypatch.setenv("LODESTAR_FUSE", "0")
     assert tq.fusions() == set()

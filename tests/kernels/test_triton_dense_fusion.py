@@ -132,7 +132,8 @@ def test_rms_norm_over_several_programs_per_row_gives_the_bits_of_one(d, residua
 
 # One K split (the epilogue needs whole sums): BLOCK_N 4 and 8, block_k 512 and 256.
 GLU_CONFIGS = [pytest.param(td.DenseGemvConfig(4, 512, 1, 4), id="bn4-bk512"),
-               pytest.param(td.DenseGemvConfig(8, 256, 1, 8), id="bn8-bk256-warps8")]
+               pytest.param(td.DenseGemvConfig(8, 256, 1, 8), id="bn8-bk256-warps8"),
+               pytest.param(td.DenseGemvConfig(2, 1024, 1, 4), id="bn2-bk1024")]   # the H200 table's 8B gate|up
 
 
 def _units(f: int, dev: str) -> int:
