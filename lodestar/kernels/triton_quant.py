@@ -141,8 +141,9 @@ _PDL_DEVICE: bool | None = None
 
 FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "glu_epilogue")
 # On unless LODESTAR_FUSE says otherwise. attn_rope and attn_reduce are left out: the H200
-# measured one-stream decode slower with both on (run 19, same tokens: 8B Q4_0 501.5 ->
-# 458.3 tok/s, 8B F16 and SmolLM2 F16 2-3% slower with glu_epilogue also on).
+# measured one-stream decode slower with each (run 20, same tokens, on top of the others:
+# attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
+# attn_reduce 243.5, 464.7, 1,524).
 DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "glu_epilogue")
 
 

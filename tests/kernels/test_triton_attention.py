@@ -173,7 +173,10 @@ def test_fused_decode_matches_reference():
     qr, kr = tf.rope_ref(q, k, pos, cos, sin, d)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     kc_ref[slots], vc_ref[slots] = kr, v
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    # rope_ref's separate multiplies and adds may round differently from the kernels' fused
+    # multiply-adds on a GPU (test_fused_decode_is_bit_identical holds the fused kernel to rope_)
+    assert torch.equal(vc, vc_ref)
+    torch.testing.assert_close(kc, kc_ref, rtol=1e-6, atol=1e-6)
     want = ta.decode_attention_ref(qr, kc_ref, vc_ref, tables, sl, BS, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
