@@ -212,7 +212,7 @@ def test_prefill_graphs_match_eager_prefill(gpu_engine):
             assert float((la - lb).abs().max()) <= 2e-2 * scale, n
             assert int(la.argmax()) == int(lb.argmax()) or float(la.max() - la[0, int(lb.argmax())]) < 1e-2 * scale
             torch.testing.assert_close(ka, kb, rtol=2e-2, atol=2e-2 * float(ka.abs().max()))
-        assert set(runner.prefill_buckets) == {64, 128}
+        assert {64, 128} <= set(runner.prefill_buckets)     # earlier tests may have captured others
     finally:
         runner.prefill_graphs = saved
     assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks

@@ -152,8 +152,11 @@ def test_gemv_config_takes_a_variant_a_full_override_or_a_table(monkeypatch, tmp
 
 def test_shipped_tuned_table_is_well_formed():
     """Every entry of gemv_tuned.json names a GPU type and an [n, k] shape, and parses to a
-    tiling the kernel accepts (power-of-two tiles, a loop form at most)."""
+    tiling the kernel accepts (power-of-two tiles, a loop form at most); ``BF16`` entries
+    are the dense kernel's (``triton_dense.parse_config``)."""
     import json
+
+    from lodestar.kernels import triton_dense as td
     table = json.loads(tq.TUNED_TABLE.read_text())
     devices = {k: v for k, v in table.items() if not k.startswith("_")}
     assert devices
@@ -162,6 +165,10 @@ def test_shipped_tuned_table_is_well_formed():
         for key, text in entries.items():
             qtype, shape = key.split(":")
             n, k = (int(v) for v in shape.split(","))
+            if qtype == "BF16":
+                dcfg = td.parse_config(text)
+                assert n > 0 and k > 0 and dcfg.block_k <= 1 << (k - 1).bit_length()
+                continue
             assert qtype in names and n > 0 and k % 32 == 0
             cfg = tq.parse_gemv_config(text)
             assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.tile_groups & (cfg.tile_groups - 1) == 0
