@@ -735,7 +735,8 @@ def stage_fuse(r: Results) -> None:
     """Decode fusions (``LODESTAR_FUSE``: x quantization in the norm / activation, K-split
     sums inside the matrix-vector kernel, residual add in the next norm) off vs on, one
     engine each: identical greedy tokens and log-probabilities, and decode tok/s. "Off" is
-    ``LODESTAR_FUSE_OFF`` (default 0: none; a comma list leaves just the others out)."""
+    ``LODESTAR_FUSE_OFF`` (default 0: none; a comma list leaves just the others out); "on"
+    is ``LODESTAR_FUSE_ON`` (default ``default``: the shipped set; ``1``: every fusion)."""
     from lodestar.engine.sampling import SamplingParams
     cells = [c.split("/") for c in os.environ.get(
         "LODESTAR_FUSE_CELLS", "smollm2-135m/F16 llama-3.1-8b/F16 llama-3.1-8b/Q4_0 smollm2-135m/Q4_0").split()]
@@ -744,7 +745,7 @@ def stage_fuse(r: Results) -> None:
             res = {}
             off_env = os.environ.get("LODESTAR_FUSE_OFF", "0")
             for fuse in ("0", "1"):
-                os.environ["LODESTAR_FUSE"] = off_env if fuse == "0" else "1"
+                os.environ["LODESTAR_FUSE"] = off_env if fuse == "0" else os.environ.get("LODESTAR_FUSE_ON", "default")
                 engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, kv_tokens=4096)
                 ps = prompts(3, 40, engine.loaded.config.vocab_size)
                 sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
