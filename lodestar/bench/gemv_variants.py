@@ -147,15 +147,21 @@ def _time_config(xq, weights: list, cfg, iters: int) -> tuple[list[float], torch
         tq.reserve_tile_counters(pw, cfg)
     out = tq.quant_matmul(xq, weights[0], torch.float32, config=cfg)     # compiles
     torch.cuda.synchronize()
+    return _graph_times(lambda w: tq.quant_matmul(xq, w, torch.float32, config=cfg), weights, iters), out
+
+
+def _graph_times(launch: Callable, weights: list, iters: int) -> list[float]:
+    """Per-launch microseconds of ``iters`` replays of one CUDA graph holding REPS calls of
+    ``launch(weight)`` cycling through ``weights`` (after one warm-up call on a side stream)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        tq.quant_matmul(xq, weights[0], torch.float32, config=cfg)
+        launch(weights[0])
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(REPS):
-            tq.quant_matmul(xq, weights[i % len(weights)], torch.float32, config=cfg)
+            launch(weights[i % len(weights)])
     graph.replay()
     times = []
     for _ in range(iters):
@@ -166,7 +172,7 @@ def _time_config(xq, weights: list, cfg, iters: int) -> tuple[list[float], torch
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e3 / REPS)
     del graph
-    return times, out
+    return times
 
 
 def _measure(rec: dict, xq, weights: list, cfg, ref: torch.Tensor | None, iters: int,
@@ -274,26 +280,7 @@ def _time_dense(x: torch.Tensor, weights: list[torch.Tensor], cfg, iters: int) -
     from lodestar.kernels import triton_dense as td
     out = td.dense_gemv(x, weights[0], torch.float32, config=cfg)     # compiles
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        td.dense_gemv(x, weights[0], config=cfg)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(REPS):
-            td.dense_gemv(x, weights[i % len(weights)], config=cfg)
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / REPS)
-    del graph
-    return times, out
+    return _graph_times(lambda w: td.dense_gemv(x, w, config=cfg), weights, iters), out
 
 
 def run_dense(device: str = "cuda", iters: int = 20, budget_s: float = 90.0,
