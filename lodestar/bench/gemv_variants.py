@@ -214,17 +214,24 @@ def _summary(qname: str, qtype_res: dict) -> dict:
     return out
 
 
+def _results_head(device: str, iters: int) -> dict:
+    """A sweep's result document before any measurement: the device, and the copy
+    bandwidth measured now (the TB/s figures are fractions of it)."""
+    props = torch.cuda.get_device_properties(torch.device(device))
+    bw = copy_bandwidth(device, iters)
+    _log(f"copy bandwidth {bw['tb_per_s']} TB/s")
+    return {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "copy_bandwidth": bw, "reps_per_graph": REPS, "iters": iters, "results": {}, "skipped": []}
+
+
 def run(device: str = "cuda", qtypes: tuple[str, ...] = ("Q4_0", "Q4_K"), iters: int = 20,
         budget_s: float = 90.0, only: tuple[str, ...] | None = None) -> dict:
     """Measure every (qtype, shape, config) that fits in ``budget_s``; see the module docstring."""
     from lodestar.kernels import triton_quant as tq
     start = time.monotonic()
     dev = torch.device(device)
-    props = torch.cuda.get_device_properties(dev)
-    bw = copy_bandwidth(device, iters)
-    _log(f"copy bandwidth {bw['tb_per_s']} TB/s")
-    results: dict = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-                     "copy_bandwidth": bw, "reps_per_graph": REPS, "iters": iters, "results": {}, "skipped": []}
+    results = _results_head(device, iters)
+    bw = results["copy_bandwidth"]
     plan = {(q, s): configs(*SHAPES[s], dev, tq.T[q], only) for q in qtypes for s in SHAPES}
     outputs: dict = {}
     for rnd in ("default", "variant", "tiling"):
@@ -291,11 +298,8 @@ def run_dense(device: str = "cuda", iters: int = 20, budget_s: float = 90.0,
     from lodestar.kernels import triton_dense as td
     start = time.monotonic()
     dev = torch.device(device)
-    props = torch.cuda.get_device_properties(dev)
-    bw = copy_bandwidth(device, iters)
-    _log(f"copy bandwidth {bw['tb_per_s']} TB/s")
-    results: dict = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-                     "copy_bandwidth": bw, "reps_per_graph": REPS, "iters": iters, "results": {}, "skipped": []}
+    results = _results_head(device, iters)
+    bw = results["copy_bandwidth"]
     best, table, token = {}, {}, {"current": 0.0, "best_per_shape": 0.0}
     for shape, (n, k) in SHAPES.items():
         weights = _dense_weights(n, k, device)
