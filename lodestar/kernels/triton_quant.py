@@ -79,7 +79,7 @@ Kernels (reference in brackets, same module):
 
 Decode fusions (``fusions()``, env ``LODESTAR_FUSE``: unset or ``1`` all, ``0`` none, or a
 comma list of ``quant``, ``split_sum``, ``residual``, ``dense_norm``, ``attn_rope``,
-``attn_reduce``, ``glu_epilogue``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
+``attn_reduce``, ``attn_quant``, ``glu_epilogue``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
 
 ``import triton`` happens only when CUDA is available or ``TRITON_INTERPRET=1`` (the
 interpreter runs the same kernels on CPU tensors, which is how the tests exercise them
@@ -139,7 +139,8 @@ _PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
 _PDL_DEVICE: bool | None = None
 
 
-FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "glu_epilogue")
+FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "attn_quant",
+           "glu_epilogue")
 # On unless LODESTAR_FUSE says otherwise. attn_rope and attn_reduce are left out: the H200
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
@@ -157,7 +158,9 @@ def fusions() -> frozenset[str]:
     the RMSNorm (with its residual add) that feeds it in its own prologue; ``attn_rope``: one-token
     decode attention rotates q and the new key and stores the new key and value itself
     (no separate RoPE + KV-store kernel); ``attn_reduce``: the last decode-attention program of
-    a (sequence, kv head) combines its partials (no separate reduce kernel);
+    a (sequence, kv head) combines its partials (no separate reduce kernel); ``attn_quant``:
+    the decode-attention reduce also emits the quantized x of the output projection (no
+    separate x quantization before it);
     ``glu_epilogue``: a one-row dense gate|up projection applies the gated activation to its
     own output (no separate SiLU·mul kernel)."""
     env = os.environ.get("LODESTAR_FUSE", "").strip()
