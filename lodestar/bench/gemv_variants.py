@@ -69,6 +69,15 @@ TILINGS: dict[str, Callable] = {
     "words_bn8_w2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=8, num_warps=2),
     "words_bn32_w4": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=32, num_warps=4),
     "words_w2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, num_warps=2),
+    # whole 32-group tiles in each K split of a 14,336-wide row (448 groups: 7 or 14 splits)
+    "words_split7": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=7),
+    "words_split7_w2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=7, num_warps=2),
+    "words_split14": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=14),
+    "words_split2_unroll": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=2, unroll=True),
+    # more, smaller programs for the 4,096-wide rows
+    "words_bn8_w2_split2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=8, num_warps=2,
+                                                         split_k=2),
+    "words_bn8_split4": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=8, split_k=4),
 }
 
 
