@@ -29,6 +29,7 @@ sets, so filling one step's inputs never waits for the step still queued. On the
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,13 @@ class PendingDecode:
 
 def greedy_into(logits: torch.Tensor, out: torch.Tensor) -> None:
     """``out[0, :R]`` = first index of each row's maximum, ``out[1, :R]`` = 1 where that
-    maximum is a number above -inf (0 for a row of -inf or with a NaN maximum)."""
+    maximum is a number above -inf (0 for a row of -inf or with a NaN maximum). One Triton
+    kernel on CUDA (``triton_sampling.greedy_rows``; ``LODESTAR_GREEDY_KERNEL=0``: the torch
+    reduction, the same result)."""
+    if logits.is_cuda and os.environ.get("LODESTAR_GREEDY_KERNEL", "1").strip() != "0":
+        from lodestar.kernels.triton_sampling import greedy_rows
+        greedy_rows(logits, out)
+        return
     values, ids = logits.max(dim=-1)
     r = logits.shape[0]
     out[0, :r].copy_(ids)
@@ -280,7 +287,8 @@ class ModelRunner:
                                     [1] * size, [1] * size, gpu=meta)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):   # compile kernels and set up cuBLAS outside the capture
+        # compile kernels, set up cuBLAS and reserve greedy_into's workspace outside the capture
+        with torch.cuda.stream(stream):
             for _ in range(2):
                 greedy_into(self._forward_logits(g), res)
         torch.cuda.current_stream(dev).wait_stream(stream)

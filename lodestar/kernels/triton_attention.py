@@ -43,6 +43,12 @@ Decode (one new token per sequence), ``decode_attention`` [``decode_attention_re
     ``rope_`` + store + attention; q is not rotated in place (nothing reads it after).
     A partial rotary dim, a q not in the caches' dtype, or a prefill keeps ``rope_``.
 
+    ``attn_quant`` (``decode_attention(quantize=True)``, bf16, head dim a multiple of 32):
+    whichever program writes a head's output row (the reduce kernel, or the fused combine
+    of ``attn_reduce``) also quantizes it, from the stored bf16 values, as ``quantize_x``
+    of ``out.view(B, Hq * D)`` (a head is a whole number of 32-element groups;
+    ``triton_fused._quant_store``): the output projection skips its x quantization.
+
 Prefill (several new tokens), ``prefill_attention``
     First version: torch SDPA over each sequence's context gathered from the pool (the
     gather indices and masks are the CPU path's plan, moved to the device once per step
@@ -59,7 +65,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import fusions, interpreted, pdl, triton_enabled
+from lodestar.kernels.triton_quant import GROUP, QuantizedRows, fusions, interpreted, pdl, triton_enabled
 
 PARTITION = 256     # keys per decode partition
 SHORT_PARTITION = 64    # keys per partition when the visible context is at most SHORT_CONTEXT
@@ -142,11 +148,22 @@ def decode_counters(device: torch.device, n: int = 0) -> torch.Tensor:
     return bufs[-1]
 
 
+def kv_prefetch() -> bool:
+    """Whether the decode kernel, launched under programmatic dependent launch, asks L2 for
+    the keys and values of its first partition before it waits for the previous kernel (env
+    ``LODESTAR_KV_PREFETCH``, 1 on, 0 off; read at each call). Same bits either way."""
+    env = os.environ.get("LODESTAR_KV_PREFETCH", "0").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"LODESTAR_KV_PREFETCH={env!r}; use 0 or 1")
+    return env == "1"
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
                      window: int | None = None, max_partitions: int | None = None,
                      splits: int | None = None, new: NewTokens | None = None,
-                     fuse_reduce: bool | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                     fuse_reduce: bool | None = None, counters: torch.Tensor | None = None,
+                     quantize: bool = False) -> torch.Tensor | QuantizedRows:
     """Attention of one query per sequence over its paged context.
 
     ``q [B, Hq, D]``; caches ``[slots, Hk, D]``; ``block_tables [B, W]`` and ``seq_lens [B]``
@@ -158,7 +175,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``triton_fused.rope_`` + store. ``fuse_reduce`` (default: ``attn_reduce`` in
     ``triton_quant.fusions()``): the partial kernel combines the partials itself, using
     ``counters`` (default ``decode_counters(q.device)``; at least B * Hk int32 zeros, left
-    at zero).
+    at zero). ``quantize`` (fusion ``attn_quant``; bf16, D a multiple of 32): returns
+    ``QuantizedRows`` of the output as ``[B, Hq * D]`` rows, quantized by the kernel that
+    writes them (the bits of ``quantize_x``).
     """
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
@@ -173,6 +192,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_m = torch.empty(B, Hq, max_partitions, device=q.device, dtype=torch.float32)
     part_l = torch.empty(B, Hq, max_partitions, device=q.device, dtype=torch.float32)
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
+    if quantize:
+        if q.dtype != torch.bfloat16 or D % GROUP:
+            raise ValueError(f"decode_attention(quantize=True) needs bf16 and a head dim that is a multiple of "
+                             f"{GROUP}; got {q.dtype}, D={D}")
+        words, d1, sums = QuantizedRows.empty(B, Hq * D, q.device)
+    else:       # never written: QUANT is off
+        words, d1, sums = out, out, out
     win = int(window) if window else NO_WINDOW
     g_pad = max(16, 1 << (G - 1).bit_length())
     is_f32 = q.dtype == torch.float32
@@ -190,20 +216,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         nk, nv, pos, cos, sin, slots = new.k, new.v, new.positions, new.cos, new.sin, new.slots
     else:       # never read: ROPE is off
         nk, nv, pos, cos, sin, slots = k_cache, v_cache, seq_lens, part_m, part_m, seq_lens
+    launch = pdl()
     _decode_partial_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_m, part_l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), scale * LOG2E, win, max_partitions,
-        out, counters, out.stride(0), out.stride(1),
+        out, counters, out.stride(0), out.stride(1), words, d1, sums,
         nk, nv, pos, cos, sin, slots, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), cos.stride(0),
         G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=SHORT_PARTITION,
         SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
-        CHUNK=REDUCE_CHUNK, ROPE=new is not None, INTERP=_INTERP, num_warps=4, **pdl())
+        CHUNK=REDUCE_CHUNK, ROPE=new is not None, QUANT=quantize, INTERP=_INTERP,
+        PREFETCH=launch["PDL"] != 0 and kv_prefetch(), num_warps=4, **launch)
     if not fuse_reduce:
         _decode_reduce_kernel[(B, Hq)](
-            part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), win, max_partitions, Hq,
-            D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT, CHUNK=REDUCE_CHUNK,
-            INTERP=_INTERP, num_warps=4, **pdl())
+            part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), words, d1, sums, win,
+            max_partitions, Hq, D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT,
+            CHUNK=REDUCE_CHUNK, QUANT=quantize, INTERP=_INTERP, num_warps=4, **pdl())
+    if quantize:
+        return QuantizedRows(out.view(B, Hq * D), words, d1, sums)
     return out
 
 
@@ -277,6 +307,8 @@ if triton_enabled():
     import triton.language as tl
 
     from lodestar.kernels.triton_dense import _pdl_enter
+    from lodestar.kernels.triton_fused import _quant_store
+    from lodestar.kernels.triton_quant import _prefetch_l2
 
     @triton.jit
     def _partition(ctx, PART: tl.constexpr, PART_SHORT: tl.constexpr, SHORT: tl.constexpr):
@@ -344,9 +376,11 @@ if triton_enabled():
         return o_run / l_run
 
     @triton.jit(noinline=True)
-    def _combine_group(po_ptr, pm_ptr, pl_ptr, out_row, stride_oh, bh0, h0, max_parts, n_parts, G: tl.constexpr,
-                       D: tl.constexpr, CHUNK: tl.constexpr, INTERP: tl.constexpr):
-        """The fused combine: heads ``h0 .. h0 + G - 1`` (partial rows ``bh0 ..``) into ``out_row``.
+    def _combine_group(po_ptr, pm_ptr, pl_ptr, out_row, stride_oh, bh0, h0, max_parts, n_parts,
+                       words_ptr, d1_ptr, sums_ptr, row, K, G: tl.constexpr, D: tl.constexpr,
+                       CHUNK: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr):
+        """The fused combine: heads ``h0 .. h0 + G - 1`` (partial rows ``bh0 ..``) into ``out_row``;
+        QUANT: also quantized, head h as columns ``h * D ..`` of row ``row`` of ``K`` features.
 
         A function of its own (not inlined), so that the compiler lays out its tiles from
         its own loads and stores only, as in the reduce kernel: inlined into the partial
@@ -356,20 +390,41 @@ if triton_enabled():
         for g in range(G):
             o = _combine_partials(po_ptr, pm_ptr, pl_ptr, (bh0 + g).to(tl.int64) * max_parts, n_parts, D, CHUNK,
                                   True, INTERP)
-            tl.store(out_row + (h0 + g) * stride_oh + offs_d, o.to(out_row.dtype.element_ty))
+            y = o.to(out_row.dtype.element_ty)
+            tl.store(out_row + (h0 + g) * stride_oh + offs_d, y)
+            if QUANT:   # from the stored (rounded) values, exactly as quantize_x would read them
+                _quant_store(words_ptr, d1_ptr, sums_ptr, y, row, (h0 + g) * (D // 32), K, D)
+
+    @triton.jit
+    def _prefetch_partition(k_ptr, v_ptr, tables_ptr, lens_ptr, b, kvh, p, stride_ks, stride_kh, stride_vs,
+                            stride_vh, stride_tb, window, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PART: tl.constexpr, PART_SHORT: tl.constexpr, SHORT: tl.constexpr):
+        """``_prefetch_l2`` of the keys and values of sequence b's partition p (kv head kvh)."""
+        L = tl.load(lens_ptr + b)
+        start = tl.maximum(L - window, 0)
+        part = _partition(L - start, PART, PART_SHORT, SHORT)
+        lo = start + p * part
+        hi = tl.minimum(lo + part, L)
+        sectors = tl.arange(0, D // 16) * 16        # 32-byte pieces of a bf16 row
+        for j0 in range(lo, hi, BLOCK_N):
+            offs_j = tl.minimum(j0 + tl.arange(0, BLOCK_N), hi - 1)
+            slot = tl.load(tables_ptr + b.to(tl.int64) * stride_tb + offs_j // BS).to(tl.int64) * BS + offs_j % BS
+            _prefetch_l2(k_ptr + kvh.to(tl.int64) * stride_kh + slot[:, None] * stride_ks + sectors[None, :])
+            _prefetch_l2(v_ptr + kvh.to(tl.int64) * stride_vh + slot[:, None] * stride_vs + sectors[None, :])
 
     @triton.jit
     def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, po_ptr, pm_ptr, pl_ptr,
                                stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
                                qk_scale, window, max_parts,
-                               out_ptr, cnt_ptr, stride_ob, stride_oh,
+                               out_ptr, cnt_ptr, stride_ob, stride_oh, words_ptr, d1_ptr, sums_ptr,
                                nk_ptr, nv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
                                stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cos,
                                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                BLOCK_N: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
                                SHORT: tl.constexpr, SPLITS: tl.constexpr,
                                IS_F32: tl.constexpr, DOT_F32: tl.constexpr, REDUCE: tl.constexpr,
-                               CHUNK: tl.constexpr, ROPE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+                               CHUNK: tl.constexpr, ROPE: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr,
+                               PREFETCH: tl.constexpr, PDL: tl.constexpr):
         """Program (sequence b, kv head, split): the partials of partitions split, split +
         SPLITS, ... for the G query heads of the kv head (see the module docstring).
 
@@ -378,11 +433,19 @@ if triton_enabled():
         that owns the last partition (the one holding key L - 1) also rotates the new key and
         stores it and the value at ``slot[b]`` of the caches, before its own loads of them.
         REDUCE: the last program of (b, kv head) to take a ticket on ``cnt[b, kv head]``
-        combines the partials of the G heads into ``out`` and sets the counter back to 0."""
-        _pdl_enter(PDL)
+        combines the partials of the G heads into ``out`` (QUANT: and their quantized form,
+        ``words``/``d1``/``sums`` of the rows ``out[b].view(Hq * D)``) and sets the counter back to 0.
+        PREFETCH: before ``_pdl_enter``, ask L2 for the keys and values of this program's first
+        partition (``_prefetch_partition``; lengths and block tables are step inputs, written
+        before the step's first kernel; a key the previous kernel is storing is prefetched
+        stale, harmlessly: L2 is where its store lands)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        if PREFETCH:
+            _prefetch_partition(k_ptr, v_ptr, tables_ptr, lens_ptr, b, kvh, split, stride_ks, stride_kh, stride_vs,
+                                stride_vh, stride_tb, window, D, BS, BLOCK_N, PART, PART_SHORT, SHORT)
+        _pdl_enter(PDL)
         L = tl.load(lens_ptr + b)
         start = tl.maximum(L - window, 0)
         part = _partition(L - start, PART, PART_SHORT, SHORT)
@@ -468,14 +531,18 @@ if triton_enabled():
             if arrived == SPLITS - 1:
                 tl.debug_barrier()
                 _combine_group(po_ptr, pm_ptr, pl_ptr, out_ptr + b.to(tl.int64) * stride_ob, stride_oh, b * Hq + kvh * G,
-                               kvh * G, max_parts, n_parts, G, D, CHUNK, INTERP)
+                               kvh * G, max_parts, n_parts, words_ptr, d1_ptr, sums_ptr, b.to(tl.int64), Hq * D, G, D,
+                               CHUNK, QUANT, INTERP)
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, lens_ptr, out_ptr, stride_ob, stride_oh,
-                              window, max_parts, Hq,
+                              words_ptr, d1_ptr, sums_ptr, window, max_parts, Hq,
                               D: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
-                              SHORT: tl.constexpr, CHUNK: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+                              SHORT: tl.constexpr, CHUNK: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr,
+                              PDL: tl.constexpr):
+        """Program (sequence b, query head h): the output row ``out[b, h]`` from its partials;
+        QUANT: also its quantized form, columns ``h * D ..`` of the rows ``out[b].view(Hq * D)``."""
         _pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -486,4 +553,7 @@ if triton_enabled():
         base = (b * Hq + h).to(tl.int64) * max_parts
         offs_d = tl.arange(0, D)
         out = _combine_partials(po_ptr, pm_ptr, pl_ptr, base, n_parts, D, CHUNK, False, INTERP)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+        y = out.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, y)
+        if QUANT:   # from the stored (rounded) values, exactly as quantize_x would read them
+            _quant_store(words_ptr, d1_ptr, sums_ptr, y, b.to(tl.int64), h * (D // 32), Hq * D, D)

@@ -14,7 +14,8 @@ the slots, block tables and lengths) and attention goes to
 has one new token, gather + SDPA otherwise. In a decode step the kernel can also take
 this step's un-rotated q/k/v and do the RoPE and the KV store itself
 (``decode_new_tokens``, fusion ``attn_rope``); otherwise ``RotaryEmbedding.rotate_and_store``
-does them first.
+does them first. For an output projection that takes quantized rows the decode kernel can
+also quantize its output (``paged_attention(quantize=True)``, fusion ``attn_quant``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from lodestar.kernels.triton_attention import NewTokens
+    from lodestar.kernels.triton_quant import QuantizedRows
     from lodestar.layers.rotary import RotaryEmbedding
 
 
@@ -179,15 +181,19 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float,
-                    sliding_window: int | None = None, new: NewTokens | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, new: NewTokens | None = None,
+                    quantize: bool = False) -> torch.Tensor | QuantizedRows:
     """Attention of new queries ``q [T, Hq, D]`` over each sequence's cached context.
 
     Returns ``[T, Hq, Dv]``. The new tokens' K/V must already be written to the cache,
     unless ``new`` (``decode_new_tokens``: a GPU decode step, fusion ``attn_rope``) is given:
     then q is not rotated yet and the decode kernel rotates it and k and stores k and v.
+    ``quantize`` (the caller's output projection takes ``QuantizedRows``): a GPU decode step
+    with fusion ``attn_quant`` on, bf16 output and ``quantizable`` rows returns
+    ``QuantizedRows`` ``[T, Hq * Dv]`` (the kernel quantized its output); otherwise as above.
     """
     if batch.gpu is not None:
-        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window, new)
+        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window, new, quantize)
     if new is not None:
         raise ValueError("paged_attention(new=...) is for GPU decode steps only")
     plans = batch._seq_plans(sliding_window)
@@ -257,14 +263,20 @@ def decode_new_tokens(batch: AttentionBatch, positions: torch.Tensor, q: torch.T
 
 
 def _gpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                   scale: float, sliding_window: int | None, new: NewTokens | None = None) -> torch.Tensor:
+                   scale: float, sliding_window: int | None, new: NewTokens | None = None,
+                   quantize: bool = False) -> torch.Tensor | QuantizedRows:
     from lodestar.kernels import triton_attention as ta
     if new is None:
         q = q.to(k_cache.dtype)
     if _is_decode(batch):
         g = batch.gpu
+        if quantize:
+            from lodestar.kernels.triton_quant import GROUP, fusions, quantizable
+            T, Hq, D = q.shape
+            quantize = ("attn_quant" in fusions() and q.dtype == torch.bfloat16 and D % GROUP == 0
+                        and quantizable(T, Hq * D))
         return ta.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, batch.block_size, scale,
-                                   sliding_window, g.max_partitions, g.splits, new=new)
+                                   sliding_window, g.max_partitions, g.splits, new=new, quantize=quantize)
     if new is not None:
         raise ValueError("paged_attention(new=...) is for decode steps (one new token per sequence) only")
     return ta.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window)

@@ -98,9 +98,11 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        new = None
+        new, quantize = None, False
         if batch.gpu is not None:
             from lodestar.layers.attention import decode_new_tokens
+            from lodestar.layers.cuda_linear import takes_quantized_input
+            quantize = takes_quantized_input(self.o)    # a decode step may quantize for it (attn_quant)
             # decode step, fusion attn_rope: the attention kernel rotates q and k and stores k, v
             new = decode_new_tokens(batch, positions, q, k, v, self.k_cache, self.v_cache, self.rope)
             if new is None:     # rotation and the KV store in one kernel
@@ -109,8 +111,8 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self.rope(positions, q, k)
             write_kv(self.k_cache, self.v_cache, k, v, batch)
-        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, new)
-        return self.o(o.reshape(T, -1))
+        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, new, quantize)
+        return self.o(o.reshape(T, -1) if isinstance(o, torch.Tensor) else o)    # else QuantizedRows [T, Hq * D]
 
 
 def mlp_projections(a: LlamaArgs, w: WeightLoader, i: int) -> tuple[nn.Module, nn.Module, int]:

@@ -207,3 +207,89 @@ def test_new_tokens_only_for_fusable_decode_steps(monkeypatch):
     assert decode_new_tokens(batch, pos, q, k, v, kc, vc, partial) is None           # rotary dim < head dim
     prefill = _batch([40, 300], [2, 1], tables.cpu(), dev)
     assert decode_new_tokens(prefill, pos, q, k, v, kc, vc, rope) is None           # not a decode step
+
+
+QUANT_CASES = [  # (Hq, Hk, D, lens, window, splits)
+    pytest.param(9, 3, 64, [1, 37, 300, 700], None, 3, id="smollm-gqa3-d64"),
+    pytest.param(32, 8, 128, [5, 1100], None, 2, id="llama8b-gqa4-d128"),
+    pytest.param(4, 1, 128, [2, 64, 65, 1000], 100, 16, id="gqa4-d128-window"),
+]
+
+
+@pytest.mark.parametrize("hq,hk,d,lens,window,splits", QUANT_CASES)
+def test_quantized_output_is_quantize_x_of_the_output(hq, hk, d, lens, window, splits):
+    """``quantize=True`` (fusion ``attn_quant``): the output rows ``[B, Hq * D]`` are the bits of
+    the plain call and words/d1/sums those of ``quantize_x`` of them, whether the reduce
+    kernel or the fused combine (``attn_reduce``) writes them, with or without ``attn_rope``."""
+    from lodestar.kernels import triton_fused as tf
+    from lodestar.kernels import triton_quant as tq
+    dev = kernel_device()
+    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, torch.bfloat16, dev, seed=11)
+    cos, sin = _rope_tables(d, max(lens) + 1, dev)
+    scale = d ** -0.5
+    parts = ta.num_partitions(tables.shape[1] * BS)
+    B = len(lens)
+    q_rot, k_rot, kc_rot, vc_rot = q.clone(), k.clone(), kc.clone(), vc.clone()
+    tf.rope_(q_rot, k_rot, pos, cos, sin, d, v=v, k_cache=kc_rot, v_cache=vc_rot, slots=slots)
+    want = ta.decode_attention(q_rot, kc_rot, vc_rot, tables, sl, BS, scale, window, parts, splits, fuse_reduce=False)
+    words, d1, sums = tq.quantize_x(want.view(B, hq * d))
+    for fuse_reduce in (False, True):
+        for rope in (False, True):
+            if rope:
+                kc2, vc2 = kc.clone(), vc.clone()
+                got = ta.decode_attention(q, kc2, vc2, tables, sl, BS, scale, window, parts, splits,
+                                          new=ta.NewTokens(k, v, pos, slots, cos, sin), fuse_reduce=fuse_reduce,
+                                          quantize=True)
+                assert _same_bits(kc2, kc_rot) and _same_bits(vc2, vc_rot)
+            else:
+                got = ta.decode_attention(q_rot, kc_rot, vc_rot, tables, sl, BS, scale, window, parts, splits,
+                                          fuse_reduce=fuse_reduce, quantize=True)
+            case = (fuse_reduce, rope)
+            assert isinstance(got, tq.QuantizedRows) and got.shape == (B, hq * d), case
+            assert _same_bits(got.x, want.view(B, hq * d)), case
+            assert torch.equal(got.words, words), case
+            assert _same_bits(got.d1, d1) and _same_bits(got.sums, sums), case
+    assert not ta.decode_counters(torch.device(dev)).any()
+
+
+def test_quantized_output_needs_bf16_and_whole_groups():
+    dev = kernel_device()
+    kc, vc = _pool(8, 1, 64, torch.float32, dev)
+    tables = torch.arange(4, dtype=torch.int32, device=dev)[None]
+    sl = torch.tensor([40], dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="needs bf16"):
+        ta.decode_attention(torch.ones(1, 2, 64, device=dev), kc, vc, tables, sl, BS, 0.125, quantize=True)
+    kc, vc = _pool(8, 1, 48, torch.bfloat16, dev)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ta.decode_attention(torch.ones(1, 2, 48, dtype=torch.bfloat16, device=dev), kc, vc, tables, sl, BS, 0.125,
+                            quantize=True)
+
+
+def test_kv_prefetch_switch(monkeypatch):
+    monkeypatch.setenv("LODESTAR_KV_PREFETCH", "on")
+    with pytest.raises(ValueError, match="LODESTAR_KV_PREFETCH"):
+        ta.kv_prefetch()
+    monkeypatch.setenv("LODESTAR_KV_PREFETCH", "1")
+    assert ta.kv_prefetch()
+    monkeypatch.delenv("LODESTAR_KV_PREFETCH")
+    assert not ta.kv_prefetch()
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_kv_prefetch_and_early_launch_keep_the_bits(window, monkeypatch):
+    """Keys and values prefetched before the wait, the next kernel let in early
+    (LODESTAR_PDL=2), with and without the fused combine: the bits of plain dependent
+    launch. GPU only (the interpreter has neither)."""
+    if not torch.cuda.is_available():
+        pytest.skip("prefetch and dependent launch run on a CUDA device only")
+    hq, hk, d, lens = 32, 8, 128, [1, 77, 300, 1500]
+    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, torch.bfloat16, "cuda", seed=5)
+    parts = ta.num_partitions(tables.shape[1] * BS)
+    for fuse_reduce in (False, True):
+        runs = []
+        for env in (("1", "0"), ("2", "1")):
+            monkeypatch.setenv("LODESTAR_PDL", env[0])
+            monkeypatch.setenv("LODESTAR_KV_PREFETCH", env[1])
+            runs.append(ta.decode_attention(q, kc, vc, tables, sl, BS, d ** -0.5, window, parts, 4,
+                                            fuse_reduce=fuse_reduce))
+        assert _same_bits(runs[0], runs[1]), fuse_reduce

@@ -1,7 +1,8 @@
 """Decode fusions (``triton_quant.fusions``, env LODESTAR_FUSE) give the same bits as the
-unfused kernels: x quantized inside RMSNorm and the gated activation, K splits added
-inside the matrix-vector kernel, and repeated calls on the same buffers (CUDA-graph
-replays) finding the tile counters back at 0.
+unfused kernels: x quantized inside RMSNorm, the gated activation and the decode-attention
+kernel (a decode step through the attention layer), K splits added inside the
+matrix-vector kernel, and repeated calls on the same buffers (CUDA-graph replays) finding
+the tile counters back at 0.
 
 Runs on a CUDA device, or on the CPU under TRITON_INTERPRET=1 (see triton_helpers); there
 the weights keep their real K (and K split) but only 20 rows, to bound the interpreter's time.
@@ -182,3 +183,89 @@ def test_fusion_switch(monkeypatch):
     monkeypatch.setenv("LODESTAR_FUSE", "quant,norm")
     with pytest.raises(ValueError, match="names norm; use 0, 1 or a comma list of quant, split_sum, residual"):
         tq.fusions()
+
+
+BS = 16
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``torch.equal`` takes -0 for +0)."""
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+
+def _attention_step(kind: str, dev: str):
+    """One attention layer of a tiny Q8_0 geometry with its CUDA layers (q|k|v and o
+    ``CudaQuantLinear``) and a GPU decode step of three rows (one of them many partitions
+    long) over a scattered bf16 KV pool. ``llama``: GQA 4, D 64; ``gemma3``: Gemma 3's form
+    (offset q/k norms, sliding window, query_pre_attn_scalar scale), one kv head, D 256. On
+    the CPU the layers are built and run as on a GPU (interpreter)."""
+    from lodestar.formats.synthetic import Geometry, SyntheticCheckpoint
+    from lodestar.kernels import triton_attention as ta
+    from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
+    from lodestar.layers.cuda_linear import CudaQuantLinear
+    from lodestar.layers.norm import OffsetRMSNorm
+    from lodestar.layers.rotary import RotaryEmbedding
+    from lodestar.models import llama
+    from lodestar.models.weights import WeightLoader
+
+    lens = [1, 70, 700]
+    if kind == "llama":
+        geo, extra = Geometry("llama", 256, 1, 8, 2, 64, 64, 10000.0, tied=True, vocab=64, context=1024), {}
+    else:
+        geo = Geometry("qwen3", 256, 1, 4, 1, 256, 64, 10000.0, tied=True, qk_norm=True, vocab=64, context=1024)
+        extra = dict(norm_cls=OffsetRMSNorm, sliding_window=100, scale=256 ** -0.5)
+    ck = SyntheticCheckpoint(geo, "Q8_0", device=dev)
+    w = WeightLoader(ck, "packed", device=dev)
+    w.cuda = True
+    a = llama.LlamaArgs.from_config(ck.config)
+    rope = RotaryEmbedding(a.rope_dim, a.rope_theta, 1024).to(dev)
+    attn = llama.LlamaAttention(a, w, 0, rope, **extra)
+    assert isinstance(attn.qkv, CudaQuantLinear) and isinstance(attn.o, CudaQuantLinear)
+    width = -(-max(lens) // BS) + 2
+    blocks = len(lens) * width
+    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).reshape(len(lens), width)
+    batch = AttentionBatch.build([t[: -(-n // BS)].tolist() for t, n in zip(tables, lens)], lens, [1] * len(lens), BS)
+    batch.gpu = GpuAttentionMeta(batch.slot_mapping.to(dev), tables.to(torch.int32).to(dev),
+                                 batch.seq_lens.to(torch.int32).to(dev), ta.num_partitions(width * BS),
+                                 ta.grid_splits(len(lens), a.n_kv_heads, torch.device(dev)))
+    g = torch.Generator().manual_seed(2)
+    kc = torch.randn(blocks * BS, a.n_kv_heads, a.head_dim, generator=g).to(torch.bfloat16).to(dev)
+    vc = torch.randn(blocks * BS, a.n_kv_heads, a.head_dim, generator=g).to(torch.bfloat16).to(dev)
+    x = (torch.randn(len(lens), a.d_model, generator=g) * 2).to(torch.bfloat16).to(dev)
+    positions = batch.positions().to(dev)
+    return attn, batch, kc, vc, x, positions
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_attention_decode_step_does_not_depend_on_attn_quant(kind, monkeypatch):
+    """A decode step through the attention layer (q|k|v, RoPE + KV store, attention, o) with
+    ``attn_quant`` on and off, alone and with every other fusion (``attn_reduce``: the fused
+    combine quantizes; ``attn_rope``): the same bits out and in both caches; with it on the
+    o projection gets the attention kernel's ``QuantizedRows`` (no ``quantize_x`` of its own)."""
+    dev = kernel_device()
+    attn, batch, kc, vc, x, positions = _attention_step(kind, dev)
+    calls = []
+    quantize_x = tq.quantize_x
+    monkeypatch.setattr(tq, "quantize_x", lambda x: calls.append(x.shape) or quantize_x(x))
+    o_inputs = []
+    o_forward = attn.o.forward
+    monkeypatch.setattr(attn.o, "forward", lambda x: o_inputs.append(type(x)) or o_forward(x))
+
+    def run(fuse: str):
+        monkeypatch.setenv("LODESTAR_FUSE", fuse)
+        calls.clear()
+        o_inputs.clear()
+        attn.k_cache, attn.v_cache = kc.clone(), vc.clone()
+        out = attn(x, positions, batch)
+        return out, attn.k_cache, attn.v_cache, len(calls), o_inputs[0]
+
+    everything_else = ",".join(n for n in tq.FUSIONS if n != "attn_quant")
+    runs = {fuse: run(fuse) for fuse in ("0", "attn_quant", everything_else, "1")}
+    want = runs["0"]
+    assert want[0].shape == (3, 256) and torch.isfinite(want[0].float()).all()
+    for fuse, (out, k_cache, v_cache, n_quant, o_input) in runs.items():
+        assert _same_bits(out, want[0]), fuse
+        assert _same_bits(k_cache, want[1]) and _same_bits(v_cache, want[2]), fuse
+        fused = fuse in ("attn_quant", "1")
+        assert (n_quant, o_input) == ((1, tq.QuantizedRows) if fused else (2, torch.Tensor)), fuse
