@@ -97,7 +97,7 @@ stage() {
 stage tests 160 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
   tests/kernels/test_triton_decode_fusion.py tests/kernels/test_triton_dense.py \
-  tests/kernels/test_triton_dense_fusion.py \
+  tests/kernels/test_triton_dense_fusion.py tests/kernels/test_triton_sampling.py \
   tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
 # Two or more GPUs: tensor parallelism over NCCL (skipped with one GPU).
 stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 \

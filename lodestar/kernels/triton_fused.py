@@ -24,6 +24,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -69,7 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     slices = _norm_slices(A * B, D)
     _rms_norm_kernel[(A * B, slices)](
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
-        res_in.stride(1), eps, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block, OFFSET=offset,
+        res_in.stride(1), eps, D=D, BLOCK=block, SLICE=_slice_cols() if slices > 1 else block, OFFSET=offset,
         HAS_RES=residual is not None, QUANT=quantize, num_warps=4 if D <= 2048 else 8, **pdl())
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
@@ -83,11 +85,20 @@ SLICE_ROWS = 8
 SLICE_COLS = 1024
 
 
+def _slice_cols() -> int:
+    """SLICE_COLS, or ``LODESTAR_NORM_SLICE`` (a power of two >= 64)."""
+    n = int(os.environ.get("LODESTAR_NORM_SLICE", SLICE_COLS))
+    if n < 64 or n & (n - 1):
+        raise ValueError(f"LODESTAR_NORM_SLICE={n}; use a power of two >= 64")
+    return n
+
+
 def _norm_slices(rows: int, d: int) -> int:
     """Programs per row of ``_rms_norm_kernel``."""
-    if rows > SLICE_ROWS or d < 2 * SLICE_COLS:
+    cols = _slice_cols()
+    if rows > SLICE_ROWS or d < 2 * cols:
         return 1
-    return -(-d // SLICE_COLS)
+    return -(-d // cols)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
@@ -120,13 +131,24 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     else:   # never read: STORE_KV is off
         kc, vc, vv, sl = k, k, k, positions
     tail = D - rotary_dim
-    _rope_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       cos.stride(0), vv, kc, vc, sl, vv.stride(0), vv.stride(1), kc.stride(0), kc.stride(1),
-                       vc.stride(0), vc.stride(1),
-                       Hq=Hq, Hk=Hk, HQ_PAD=_pow2(Hq), HK_PAD=_pow2(Hk), HALF=half, HALF_PAD=_pow2(half),
-                       D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
-                       num_warps=4, **pdl())
+    P = rope_programs(T, Hq, Hk)
+    hq, hk = Hq // P, Hk // P
+    _rope_kernel[(T, P)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                         cos.stride(0), vv, kc, vc, sl, vv.stride(0), vv.stride(1), kc.stride(0), kc.stride(1),
+                         vc.stride(0), vc.stride(1),
+                         Hq=hq, Hk=hk, HQ_PAD=_pow2(hq), HK_PAD=_pow2(hk), HALF=half, HALF_PAD=_pow2(half),
+                         D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
+                         num_warps=4, **pdl())
     return q, k
+
+
+def rope_programs(tokens: int, hq: int, hk: int) -> int:
+    """Programs per token of ``_rope_kernel``: each takes an equal share of the q and k heads
+    (``LODESTAR_ROPE_PROGRAMS``: at most that many, default 1; a divisor of both head counts)."""
+    want = int(os.environ.get("LODESTAR_ROPE_PROGRAMS", "1"))
+    if want < 1:
+        raise ValueError(f"LODESTAR_ROPE_PROGRAMS={want}; use a count >= 1")
+    return max(p for p in range(1, min(want, hk) + 1) if hq % p == 0 and hk % p == 0)
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -279,6 +301,12 @@ if triton_enabled():
                      TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         t = tl.program_id(0)
+        h = tl.program_id(1)    # this program's share: q heads h * Hq .., k and v heads h * Hk ..
+        q_ptr += h * Hq * sq1
+        k_ptr += h * Hk * sk1
+        v_ptr += h * Hk * sv1
+        kc_ptr += h * Hk * skc1
+        vc_ptr += h * Hk * svc1
         pos = tl.load(pos_ptr + t).to(tl.int64)
         # cos/sin rows are [cos(f), cos(f)]: the first half serves both halves.
         pc = cos_ptr + pos * s_cos
