@@ -308,13 +308,8 @@ if triton is not None:
     @triton.jit
     def _pdl_enter(PDL: tl.constexpr):
         """First statement of a kernel launched with ``triton_quant.pdl()``: wait for the
-        previous kernel (all of its memory visible), then allow the next one to launch; PDL
-        == 2 allows the next one first, so that its blocks (which wait for this kernel's end
-        before touching memory) can start reading weights while this one waits and runs."""
-        if PDL == 2:
-            gdc_launch_dependents()
-            gdc_wait()
-        elif PDL:
+        previous kernel (all of its memory visible), then allow the next one to launch."""
+        if PDL:
             gdc_wait()
             gdc_launch_dependents()
 

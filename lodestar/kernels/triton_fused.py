@@ -24,8 +24,6 @@
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -71,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     slices = _norm_slices(A * B, D)
     _rms_norm_kernel[(A * B, slices)](
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
-        res_in.stride(1), eps, D=D, BLOCK=block, SLICE=_slice_cols() if slices > 1 else block, OFFSET=offset,
+        res_in.stride(1), eps, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block, OFFSET=offset,
         HAS_RES=residual is not None, QUANT=quantize, num_warps=4 if D <= 2048 else 8, **pdl())
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
@@ -80,25 +78,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
 # Rows up to which a wide row's norm is spread over programs of SLICE_COLS columns each
 # (a power of two, whole 32-element groups). Every program recomputes the whole row's
 # scale (cheap, from L2) and normalizes its slice: for one 4096-wide row on the H200 the
-# fused norm + quantize took 2.6 us over four programs against 4.6 us in one.
+# fused norm + quantize took 2.6 us over four programs against 4.6 us in one; 512 or 256
+# columns a program decoded 8B Q4_0 slower (stop 13 run B: 510.9 -> 508.4 / 506.1 tok/s).
 SLICE_ROWS = 8
 SLICE_COLS = 1024
 
 
-def _slice_cols() -> int:
-    """SLICE_COLS, or ``LODESTAR_NORM_SLICE`` (a power of two >= 64)."""
-    n = int(os.environ.get("LODESTAR_NORM_SLICE", SLICE_COLS))
-    if n < 64 or n & (n - 1):
-        raise ValueError(f"LODESTAR_NORM_SLICE={n}; use a power of two >= 64")
-    return n
-
-
 def _norm_slices(rows: int, d: int) -> int:
     """Programs per row of ``_rms_norm_kernel``."""
-    cols = _slice_cols()
-    if rows > SLICE_ROWS or d < 2 * cols:
+    if rows > SLICE_ROWS or d < 2 * SLICE_COLS:
         return 1
-    return -(-d // cols)
+    return -(-d // SLICE_COLS)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
@@ -131,7 +121,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     else:   # never read: STORE_KV is off
         kc, vc, vv, sl = k, k, k, positions
     tail = D - rotary_dim
-    P = rope_programs(T, Hq, Hk)
+    P = rope_programs(Hq, Hk)
     hq, hk = Hq // P, Hk // P
     _rope_kernel[(T, P)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                          cos.stride(0), vv, kc, vc, sl, vv.stride(0), vv.stride(1), kc.stride(0), kc.stride(1),
@@ -142,13 +132,12 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     return q, k
 
 
-def rope_programs(tokens: int, hq: int, hk: int) -> int:
-    """Programs per token of ``_rope_kernel``: each takes an equal share of the q and k heads
-    (``LODESTAR_ROPE_PROGRAMS``: at most that many, default 1; a divisor of both head counts)."""
-    want = int(os.environ.get("LODESTAR_ROPE_PROGRAMS", "1"))
-    if want < 1:
-        raise ValueError(f"LODESTAR_ROPE_PROGRAMS={want}; use a count >= 1")
-    return max(p for p in range(1, min(want, hk) + 1) if hq % p == 0 and hk % p == 0)
+def rope_programs(hq: int, hk: int) -> int:
+    """Programs per token of ``_rope_kernel``: one per kv head (its k and v heads and its
+    share of the q heads) when the q heads divide evenly, else one. H200, stop 13 run B, one
+    token, against one program: 8B Q4_0 one-stream decode 510.9 -> 513.5 tok/s, Q4_K 503.7
+    -> 508.2, SmolLM2 F16 1,666 -> 1,672."""
+    return hk if hq % hk == 0 else 1
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -118,42 +118,30 @@ def interpreted() -> bool:
 
 def pdl() -> dict:
     """Launch arguments for programmatic dependent launch (Hopper and later; env
-    ``LODESTAR_PDL``, unset or 1: on, 0: off, 2: early; read at each call): the decode-path
-    kernels (``PDL`` constexpr) start with ``griddepcontrol.wait`` (nothing is read or
-    written before the previous kernel in the stream has finished; only weights, which
-    nothing writes, may be read or prefetched before it) and then let the next kernel
+    ``LODESTAR_PDL``, unset or 1: on, 0: off; read at each call): the decode-path kernels
+    (``PDL`` constexpr) start with ``griddepcontrol.wait`` (nothing is read or written before
+    the previous kernel in the stream has finished; only data no kernel of the step writes,
+    such as weights, may be read or prefetched before it) and then let the next kernel
     launch, so its blocks are resident and waiting when this one ends instead of being
-    launched then. ``2`` lets the next kernel launch before the wait, one kernel earlier.
-    Results are the same bits either way."""
+    launched then. Results are the same bits either way.
+
+    Measured and left out (H200, stop 13 runs A and B, same tokens): letting the next kernel
+    launch before the wait (8B Q4_0 one-stream decode 503.0 -> 484.8 tok/s, F16 255.1 ->
+    247.6), and an L2 prefetch of each matrix-vector program's weights before the wait
+    (510.9 -> 459.1)."""
     global _PDL_DEVICE
     env = os.environ.get("LODESTAR_PDL", "1").strip()
-    if env not in ("", "0", "1", "2"):
-        raise ValueError(f"LODESTAR_PDL={env!r}; use 0, 1 or 2")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"LODESTAR_PDL={env!r}; use 0 or 1")
     if env == "0":
         return _PDL_OFF
     if _PDL_DEVICE is None:     # asked once: this runs at every kernel launch
         _PDL_DEVICE = (torch.cuda.is_available() and not interpreted()
                        and torch.cuda.get_device_capability()[0] >= 9)
-    if not _PDL_DEVICE:
-        return _PDL_OFF
-    return _PDL_EARLY if env == "2" else _PDL_ON
+    return _PDL_ON if _PDL_DEVICE else _PDL_OFF
 
 
-def weight_prefetch() -> bool:
-    """Whether a matrix-vector kernel launched under programmatic dependent launch asks L2 for
-    its program's weight codes and scales before it waits for the previous kernel (env
-    ``LODESTAR_WEIGHT_PREFETCH``, 1 on, 0 off; read at each call). Same bits either way."""
-    env = os.environ.get("LODESTAR_WEIGHT_PREFETCH", "0").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"LODESTAR_WEIGHT_PREFETCH={env!r}; use 0 or 1")
-    return env == "1"
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-_PDL_ON, _PDL_EARLY, _PDL_OFF = {"PDL": 1, "launch_pdl": True}, {"PDL": 2, "launch_pdl": True}, {"PDL": 0}
+_PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
 _PDL_DEVICE: bool | None = None
 
 
@@ -163,7 +151,9 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
 # attn_reduce 243.5, 464.7, 1,524).
-DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "glu_epilogue")
+# attn_quant joined after stop 13's run B (same tokens; 8B Q4_0 503.8 -> 510.9 tok/s, Q4_K
+# 500.9 -> 503.7; SmolLM2 F16, whose o projection is dense: 1,667.0 -> 1,666.2).
+DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue")
 
 
 def fusions() -> frozenset[str]:
@@ -601,13 +591,11 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
     codes = pw.codes.view(torch.int32)
     if cfg.words and pw.qtype in WORDS_CAPABLE:
         even = pw.n % cfg.block_n == 0 and per_split % cfg.tile_groups == 0 and per_split * cfg.split_k == groups
-        launch = pdl()
-        early = _pow2(per_split) if launch["PDL"] and weight_prefetch() else 0
         _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
                                  M * pw.n, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
                                  GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
                                  ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll, EVEN=even,
-                                 PREFETCH=early, num_warps=cfg.num_warps, **launch)
+                                 num_warps=cfg.num_warps, **pdl())
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -1150,25 +1138,19 @@ if triton_enabled():
                            K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                            GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
                            ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
-                           PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                           PDL: tl.constexpr):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
-        partial row block or tile (every mask is true, so none is applied). PREFETCH (a power
-        of two >= GROUPS_PER_SPLIT, or 0): before ``_pdl_enter``, ask L2 for this program's
-        code words and scales (``_prefetch_weights``), which nothing writes, so that they
-        stream in while the previous kernel runs."""
+        partial row block or tile (every mask is true, so none is applied)."""
+        _pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        g_start = pid_s * GROUPS_PER_SPLIT
-        if PREFETCH:
-            _prefetch_weights(codes_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, tl.minimum(offs_n, N - 1).to(tl.int64),
-                              g_start, GROUPS_PER_SPLIT, PREFETCH, K, QTYPE)
-        _pdl_enter(PDL)
         mask_n = offs_n < N
         rows = offs_n.to(tl.int64)
         HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
         acc = tl.zeros((BLOCK_N, HG), dtype=tl.float32)
+        g_start = pid_s * GROUPS_PER_SPLIT
         if UNROLL:
             for t in tl.static_range(0, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
@@ -1190,36 +1172,6 @@ if triton_enabled():
         loaded into registers."""
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_span(ptr, rows, row_len, start, count, COLS: tl.constexpr, PER: tl.constexpr):
-        """``_prefetch_l2`` of elements ``start .. start + count - 1`` of each of ``rows`` (rows
-        of ``row_len`` elements), one address per PER elements; COLS * PER >= count."""
-        c = tl.minimum(start + tl.arange(0, COLS) * PER, start + count - 1)
-        _prefetch_l2(ptr + rows[:, None] * row_len + c[None, :])
-
-    @triton.jit
-    def _prefetch_weights(codes_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, rows, g_start, GROUPS: tl.constexpr,
-                          GP: tl.constexpr, K: tl.constexpr, QTYPE: tl.constexpr):
-        """L2 prefetch of groups ``g_start .. g_start + GROUPS - 1`` (GP >= GROUPS, a power of
-        two) of ``rows``: code words and scale arrays (Q5_K/Q6_K high bits are left out)."""
-        G: tl.constexpr = K // 32
-        WPG: tl.constexpr = 8 if QTYPE == 8 else 4
-        _prefetch_span(codes_ptr, rows, G * WPG, g_start * WPG, GROUPS * WPG, GP * WPG // 8, 8)
-        SC: tl.constexpr = GP // 16 if GP >= 16 else 1
-        if QTYPE == 12 or QTYPE == 13:      # u8 scale and min per group, fp16 d and dmin per 8
-            SB: tl.constexpr = GP // 32 if GP >= 32 else 1
-            _prefetch_span(sc_ptr, rows, G, g_start, GROUPS, SB, 32)
-            _prefetch_span(m_ptr, rows, G, g_start, GROUPS, SB, 32)
-            _prefetch_span(d_ptr, rows, G // 8, g_start // 8, (GROUPS + 7) // 8, 1, 16)
-            _prefetch_span(dmin_ptr, rows, G // 8, g_start // 8, (GROUPS + 7) // 8, 1, 16)
-        elif QTYPE == 14:                   # s8 scale per 16 weights, fp16 d per 8 groups
-            _prefetch_span(sc_ptr, rows, 2 * G, 2 * g_start, 2 * GROUPS, SC, 32)
-            _prefetch_span(d_ptr, rows, G // 8, g_start // 8, (GROUPS + 7) // 8, 1, 16)
-        else:                               # fp16 d (and m) per group
-            _prefetch_span(d_ptr, rows, G, g_start, GROUPS, SC, 16)
-            if QTYPE == 3:
-                _prefetch_span(m_ptr, rows, G, g_start, GROUPS, SC, 16)
 
     @triton.jit
     def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

@@ -269,27 +269,25 @@ def test_kv_prefetch_switch(monkeypatch):
     monkeypatch.setenv("LODESTAR_KV_PREFETCH", "on")
     with pytest.raises(ValueError, match="LODESTAR_KV_PREFETCH"):
         ta.kv_prefetch()
-    monkeypatch.setenv("LODESTAR_KV_PREFETCH", "1")
-    assert ta.kv_prefetch()
-    monkeypatch.delenv("LODESTAR_KV_PREFETCH")
+    monkeypatch.setenv("LODESTAR_KV_PREFETCH", "0")
     assert not ta.kv_prefetch()
+    monkeypatch.delenv("LODESTAR_KV_PREFETCH")
+    assert ta.kv_prefetch()
 
 
 @pytest.mark.parametrize("window", [None, 300])
-def test_kv_prefetch_and_early_launch_keep_the_bits(window, monkeypatch):
-    """Keys and values prefetched before the wait, the next kernel let in early
-    (LODESTAR_PDL=2), with and without the fused combine: the bits of plain dependent
-    launch. GPU only (the interpreter has neither)."""
+def test_kv_prefetch_keeps_the_bits(window, monkeypatch):
+    """Keys and values prefetched before the wait, with and without the fused combine: the
+    bits without the prefetch. GPU only (the interpreter has no prefetch)."""
     if not torch.cuda.is_available():
-        pytest.skip("prefetch and dependent launch run on a CUDA device only")
+        pytest.skip("the prefetch runs on a CUDA device only")
     hq, hk, d, lens = 32, 8, 128, [1, 77, 300, 1500]
     kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, torch.bfloat16, "cuda", seed=5)
     parts = ta.num_partitions(tables.shape[1] * BS)
     for fuse_reduce in (False, True):
         runs = []
-        for env in (("1", "0"), ("2", "1")):
-            monkeypatch.setenv("LODESTAR_PDL", env[0])
-            monkeypatch.setenv("LODESTAR_KV_PREFETCH", env[1])
+        for env in ("0", "1"):
+            monkeypatch.setenv("LODESTAR_KV_PREFETCH", env)
             runs.append(ta.decode_attention(q, kc, vc, tables, sl, BS, d ** -0.5, window, parts, 4,
                                             fuse_reduce=fuse_reduce))
         assert _same_bits(runs[0], runs[1]), fuse_reduce

@@ -220,7 +220,7 @@ def _attention_step(kind: str, dev: str):
     w.cuda = True
     a = llama.LlamaArgs.from_config(ck.config)
     rope = RotaryEmbedding(a.rope_dim, a.rope_theta, 1024).to(dev)
-    attn = llama.LlamaAttention(a, w, 0, rope, **extra)
+    attn = llama.LlamaAttention(a, w, 0, rope, **extra).to(dev)     # q/k norm weights too
     assert isinstance(attn.qkv, CudaQuantLinear) and isinstance(attn.o, CudaQuantLinear)
     width = -(-max(lens) // BS) + 2
     blocks = len(lens) * width

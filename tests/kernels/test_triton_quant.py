@@ -206,42 +206,14 @@ def test_rule_picks_the_word_tile_kernel_for_its_types():
     assert tq.with_variant(tq.default_gemv_config(4096, 4096, dev, tq.T.Q4_0), "words_unroll").words
 
 
-def test_launch_switches(monkeypatch):
-    """LODESTAR_PDL and LODESTAR_WEIGHT_PREFETCH: known values only; no dependent launch
-    without a Hopper-class GPU."""
-    for env, value, call in (("LODESTAR_PDL", "3", tq.pdl), ("LODESTAR_WEIGHT_PREFETCH", "yes", tq.weight_prefetch)):
-        monkeypatch.setenv(env, value)
-        with pytest.raises(ValueError, match=env):
-            call()
-        monkeypatch.delenv(env)
-    monkeypatch.setenv("LODESTAR_PDL", "0")
-    assert tq.pdl() == {"PDL": 0}
+
+def test_launch_switch(monkeypatch):
+    """LODESTAR_PDL: 0 or 1 only; no dependent launch without a Hopper-class GPU."""
     monkeypatch.setenv("LODESTAR_PDL", "2")
+    with pytest.raises(ValueError, match="LODESTAR_PDL"):
+        tq.pdl()
+    monkeypatch.setenv("LODESTAR_PDL", "0")
+    assert tq.pdl() == {"PDL": False}
+    monkeypatch.setenv("LODESTAR_PDL", "1")
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    assert tq.pdl() == ({"PDL": 2, "launch_pdl": True} if hopper else {"PDL": 0})
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "1")
-    assert tq.weight_prefetch()
-    monkeypatch.delenv("LODESTAR_WEIGHT_PREFETCH")
-    assert not tq.weight_prefetch()
-
-
-@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE])
-def test_weight_prefetch_and_early_launch_keep_the_bits(qtype, monkeypatch):
-    """The word-tile kernel with its weights prefetched before the wait and the next kernel
-    let in early (LODESTAR_PDL=2), one K split and several, partial row blocks: the same
-    bits as plain programmatic dependent launch. GPU only (the interpreter has neither)."""
-    if not torch.cuda.is_available():
-        pytest.skip("prefetch and dependent launch run on a CUDA device only")
-    n, k = 200, 2560
-    pw = tq.pack(qtype, random_gguf(qtype, n, k, seed=23).cuda(), n, k)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).cuda()
-    for split in (1, 3):
-        cfg = tq.GemvConfig(block_n=16, tile_groups=32, split_k=split, num_warps=4, words=True)
-        tq.reserve_tile_counters(pw, cfg)
-        monkeypatch.setenv("LODESTAR_PDL", "1")
-        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "0")
-        want = tq.quant_matmul(x, pw, torch.float32, config=cfg)
-        monkeypatch.setenv("LODESTAR_PDL", "2")
-        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "1")
-        got = tq.quant_matmul(x, pw, torch.float32, config=cfg)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert tq.pdl() == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
