@@ -308,10 +308,12 @@ if triton is not None:
     @triton.jit
     def _pdl_enter(PDL: tl.constexpr):
         """First statement of a kernel launched with ``triton_quant.pdl()``: wait for the
-        previous kernel (all of its memory visible), then allow the next one to launch."""
+        previous kernel (all of its memory visible), then allow the next one to launch (PDL
+        == 2: not before this kernel ends)."""
         if PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if PDL != 2:
+                gdc_launch_dependents()
 
     @triton.jit
     def _residual_chunk(x_ptr, r_ptr, cols, mask, HAS_RES: tl.constexpr):

@@ -131,17 +131,20 @@ def pdl() -> dict:
     (510.9 -> 459.1)."""
     global _PDL_DEVICE
     env = os.environ.get("LODESTAR_PDL", "1").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"LODESTAR_PDL={env!r}; use 0 or 1")
+    if env not in ("", "0", "1", "wait"):
+        raise ValueError(f"LODESTAR_PDL={env!r}; use 0, 1 or wait")
     if env == "0":
         return _PDL_OFF
     if _PDL_DEVICE is None:     # asked once: this runs at every kernel launch
         _PDL_DEVICE = (torch.cuda.is_available() and not interpreted()
                        and torch.cuda.get_device_capability()[0] >= 9)
-    return _PDL_ON if _PDL_DEVICE else _PDL_OFF
+    if not _PDL_DEVICE:
+        return _PDL_OFF
+    return _PDL_WAIT if env == "wait" else _PDL_ON
 
 
 _PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+_PDL_WAIT = {"PDL": 2, "launch_pdl": True}     # the next kernel launches when this one ends
 _PDL_DEVICE: bool | None = None
 
 

@@ -265,6 +265,22 @@ def test_quantized_output_needs_bf16_and_whole_groups():
                             quantize=True)
 
 
+def test_attention_launch_switch(monkeypatch):
+    """LODESTAR_ATTN_PDL: the decode kernel's own launch form, never on without pdl()."""
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    monkeypatch.delenv("LODESTAR_PDL", raising=False)
+    for env, want in (("", {"PDL": 2, "launch_pdl": True}), ("wait", {"PDL": 2, "launch_pdl": True}),
+                      ("1", {"PDL": True, "launch_pdl": True}), ("0", {"PDL": False})):
+        monkeypatch.setenv("LODESTAR_ATTN_PDL", env)
+        assert ta.attention_pdl() == (want if hopper else {"PDL": False}), env
+    monkeypatch.setenv("LODESTAR_PDL", "0")
+    monkeypatch.setenv("LODESTAR_ATTN_PDL", "wait")
+    assert ta.attention_pdl() == {"PDL": False}
+    monkeypatch.setenv("LODESTAR_ATTN_PDL", "early")
+    with pytest.raises(ValueError, match="LODESTAR_ATTN_PDL"):
+        ta.attention_pdl()
+
+
 def test_kv_prefetch_switch(monkeypatch):
     monkeypatch.setenv("LODESTAR_KV_PREFETCH", "on")
     with pytest.raises(ValueError, match="LODESTAR_KV_PREFETCH"):

@@ -208,12 +208,13 @@ def test_rule_picks_the_word_tile_kernel_for_its_types():
 
 
 def test_launch_switch(monkeypatch):
-    """LODESTAR_PDL: 0 or 1 only; no dependent launch without a Hopper-class GPU."""
+    """LODESTAR_PDL: 0, 1 or wait; no dependent launch without a Hopper-class GPU."""
     monkeypatch.setenv("LODESTAR_PDL", "2")
     with pytest.raises(ValueError, match="LODESTAR_PDL"):
         tq.pdl()
     monkeypatch.setenv("LODESTAR_PDL", "0")
     assert tq.pdl() == {"PDL": False}
-    monkeypatch.setenv("LODESTAR_PDL", "1")
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    assert tq.pdl() == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
+    for env, want in (("1", {"PDL": True, "launch_pdl": True}), ("wait", {"PDL": 2, "launch_pdl": True})):
+        monkeypatch.setenv("LODESTAR_PDL", env)
+        assert tq.pdl() == (want if hopper else {"PDL": False})
