@@ -118,17 +118,20 @@ def interpreted() -> bool:
 
 def pdl() -> dict:
     """Launch arguments for programmatic dependent launch (Hopper and later; env
-    ``LODESTAR_PDL``, unset or 1: on, 0: off; read at each call): the decode-path kernels
-    (``PDL`` constexpr) start with ``griddepcontrol.wait`` (nothing is read or written before
-    the previous kernel in the stream has finished; only data no kernel of the step writes,
+    ``LODESTAR_PDL``, unset or 1: on, 0: off, ``wait``: on, but each kernel lets the next
+    one launch only when it ends; read at each call): the decode-path kernels (``PDL``
+    constexpr) start with ``griddepcontrol.wait`` (nothing is read or written before the
+    previous kernel in the stream has finished; only data no kernel of the step writes,
     such as weights, may be read or prefetched before it) and then let the next kernel
     launch, so its blocks are resident and waiting when this one ends instead of being
-    launched then. Results are the same bits either way.
+    launched then. Results are the same bits either way. Decode attention has its own
+    form (``triton_attention.attention_pdl``).
 
-    Measured and left out (H200, stop 13 runs A and B, same tokens): letting the next kernel
-    launch before the wait (8B Q4_0 one-stream decode 503.0 -> 484.8 tok/s, F16 255.1 ->
-    247.6), and an L2 prefetch of each matrix-vector program's weights before the wait
-    (510.9 -> 459.1)."""
+    Measured and left out (H200, stop 13 runs 22-23, 30; same tokens): letting the next
+    kernel launch before the wait (8B Q4_0 one-stream decode 503.0 -> 484.8 tok/s, F16 255.1
+    -> 247.6); an L2 prefetch of each matrix-vector program's weights before the wait
+    (510.9 -> 459.1); ``wait`` for every kernel (8B Q4_K at 1k / 8k context 473.6 / 415.6
+    -> 469.1 / 411.1)."""
     global _PDL_DEVICE
     env = os.environ.get("LODESTAR_PDL", "1").strip()
     if env not in ("", "0", "1", "wait"):
