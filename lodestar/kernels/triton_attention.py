@@ -158,7 +158,7 @@ def kv_prefetch() -> bool:
     """Whether the decode kernel, launched under programmatic dependent launch, asks L2 for
     the keys and values of its first partition before it waits for the previous kernel (env
     ``LODESTAR_KV_PREFETCH``, unset or 1 on, 0 off; read at each call). Same bits either
-    way. H200, stop 13 run B, same tokens: 8B Q4_0 one-stream decode 510.9 -> 514.9 tok/s,
+    way. H200 run 23, same tokens: 8B Q4_0 one-stream decode 510.9 -> 514.9 tok/s,
     Q4_K 503.7 -> 507.8, SmolLM2 F16 1,666 -> 1,689."""
     env = os.environ.get("LODESTAR_KV_PREFETCH", "1").strip()
     if env not in ("", "0", "1"):
@@ -170,7 +170,7 @@ def attention_pdl() -> dict:
     """``pdl()`` for the decode-attention kernel, ``LODESTAR_ATTN_PDL``: unset or ``wait``:
     launched early (it waits for the previous kernel) but the next kernel only launches
     when it ends; 1: as ``pdl()`` (the next kernel launches as soon as every program of
-    this one has started); 0: off. H200, stop 13 run G, 8B Q4_K decode against context:
+    this one has started); 0: off. H200 run 29, 8B Q4_K decode against context:
     ``wait`` 473.7 / 416.0 / 288.0 tok/s at 1k / 8k / 32k, 1: 470.5 / 392.4 / 238.7, 0:
     462.7 / 417.1 / 296.8."""
     env = os.environ.get("LODESTAR_ATTN_PDL", "wait").strip()

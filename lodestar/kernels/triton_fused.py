@@ -79,7 +79,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
 # (a power of two, whole 32-element groups). Every program recomputes the whole row's
 # scale (cheap, from L2) and normalizes its slice: for one 4096-wide row on the H200 the
 # fused norm + quantize took 2.6 us over four programs against 4.6 us in one; 512 or 256
-# columns a program decoded 8B Q4_0 slower (stop 13 run B: 510.9 -> 508.4 / 506.1 tok/s).
+# columns a program decoded 8B Q4_0 slower (H200 run 23: 510.9 -> 508.4 / 506.1 tok/s).
 SLICE_ROWS = 8
 SLICE_COLS = 1024
 
@@ -134,7 +134,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
 
 def rope_programs(hq: int, hk: int) -> int:
     """Programs per token of ``_rope_kernel``: one per kv head (its k and v heads and its
-    share of the q heads) when the q heads divide evenly, else one. H200, stop 13 run B, one
+    share of the q heads) when the q heads divide evenly, else one. H200 run 23, one
     token, against one program: 8B Q4_0 one-stream decode 510.9 -> 513.5 tok/s, Q4_K 503.7
     -> 508.2, SmolLM2 F16 1,666 -> 1,672."""
     return hk if hq % hk == 0 else 1

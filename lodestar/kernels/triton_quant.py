@@ -127,7 +127,7 @@ def pdl() -> dict:
     launched then. Results are the same bits either way. Decode attention has its own
     form (``triton_attention.attention_pdl``).
 
-    Measured and left out (H200, stop 13 runs 22-23, 30; same tokens): letting the next
+    Measured and left out (H200 runs 22-23, 30; same tokens): letting the next
     kernel launch before the wait (8B Q4_0 one-stream decode 503.0 -> 484.8 tok/s, F16 255.1
     -> 247.6); an L2 prefetch of each matrix-vector program's weights before the wait
     (510.9 -> 459.1); ``wait`` for every kernel (8B Q4_K at 1k / 8k context 473.6 / 415.6
@@ -157,7 +157,7 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
 # attn_reduce 243.5, 464.7, 1,524).
-# attn_quant joined after stop 13's run B (same tokens; 8B Q4_0 503.8 -> 510.9 tok/s, Q4_K
+# attn_quant joined after run 23 (same tokens; 8B Q4_0 503.8 -> 510.9 tok/s, Q4_K
 # 500.9 -> 503.7; SmolLM2 F16, whose o projection is dense: 1,667.0 -> 1,666.2).
 DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue")
 
