@@ -71,7 +71,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import GROUP, QuantizedRows, fusions, interpreted, pdl, triton_enabled
+from lodestar.kernels.triton_quant import (GROUP, QuantizedRows, fusions, graph_buffers, interpreted, pdl,
+                                           triton_enabled)
 
 PARTITION = 256     # keys per decode partition
 SHORT_PARTITION = 64    # keys per partition when the visible context is at most SHORT_CONTEXT
@@ -141,17 +142,9 @@ def decode_counters(device: torch.device, n: int = 0) -> torch.Tensor:
     one per (sequence, kv head); every launch leaves them at 0 again. Allocated at first
     use for at least ``MIN_COUNTERS`` pairs, so the eager warm-up before a CUDA-graph
     capture has reserved them; growing during a capture is an error."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode attention needs {n} combine counters inside a CUDA-graph capture; "
-                               f"reserve them first (triton_attention.decode_counters)")
-        size = max(n, MIN_COUNTERS, 2 * bufs[-1].numel() if bufs else 0)
-        bufs.append(torch.zeros(size, device=device, dtype=torch.int32))
-    return bufs[-1]
+    return graph_buffers(_COUNTERS, device, n, MIN_COUNTERS, torch.Tensor.numel,
+                         lambda size, dev: torch.zeros(size, device=dev, dtype=torch.int32),
+                         "decode attention's combine counters (triton_attention.decode_counters)")
 
 
 def kv_prefetch() -> bool:

@@ -561,6 +561,22 @@ def reserve_tile_counters(pw: PackedWeight, config: GemvConfig | None = None) ->
         _tile_counters(pw, SMALL_M_MAX * -(-pw.n // cfg.block_n))
 
 
+def graph_buffers(cache: dict, device: torch.device, need: int, minimum: int, size_of, make, what: str):
+    """The newest of ``cache[device]``'s buffers, first adding one of ``make(n)`` with n =
+    max(need, minimum, twice the newest's ``size_of``) when it holds fewer than ``need``.
+    Older buffers stay alive (a CUDA graph captured with one keeps its addresses); adding
+    one during a capture is an error, so an eager call before capturing must reserve it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    bufs = cache.setdefault(device, [])
+    if not bufs or size_of(bufs[-1]) < need:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what}: {need} needed inside a CUDA-graph capture; reserve them before capturing")
+        bufs.append(make(max(need, minimum, 2 * size_of(bufs[-1]) if bufs else 0), device))
+    return bufs[-1]
+
+
 def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
     c = pw.tile_counters
     if c is None or c.numel() < tiles:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lodestar.kernels.triton_quant import _num_sms, pdl, triton_enabled
+from lodestar.kernels.triton_quant import _num_sms, graph_buffers, pdl, triton_enabled
 
 BLOCK = 4096            # columns per step of a program
 NUM_WARPS = 8
@@ -45,8 +45,7 @@ class Workspace:
         return self.counters.numel()
 
 
-# Per device; the newest is used. Older ones stay alive: a CUDA graph captured with one
-# keeps its addresses.
+# Per device (``triton_quant.graph_buffers``).
 _WORKSPACES: dict[torch.device, list[Workspace]] = {}
 
 
@@ -54,19 +53,14 @@ def workspace(device: torch.device, rows: int = 0) -> Workspace:
     """The combine's buffers on ``device`` for at least ``rows`` rows (``MIN_ROWS`` at first
     use, so an eager call before a CUDA-graph capture has reserved them; growing during a
     capture is an error)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    bufs = _WORKSPACES.setdefault(device, [])
-    if not bufs or bufs[-1].rows < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"greedy_rows needs a workspace for {rows} rows inside a CUDA-graph capture; "
-                               f"call it (or triton_sampling.workspace) before capturing")
-        n = max(rows, MIN_ROWS, 2 * bufs[-1].rows if bufs else 0)
-        bufs.append(Workspace(torch.empty(n * MAX_CHUNKS, device=device, dtype=torch.float32),
-                              torch.zeros(n * MAX_CHUNKS, device=device, dtype=torch.int32),
-                              torch.zeros(n, device=device, dtype=torch.int32)))
-    return bufs[-1]
+    return graph_buffers(_WORKSPACES, device, rows, MIN_ROWS, lambda ws: ws.rows, _new_workspace,
+                         "greedy_rows' workspace rows (triton_sampling.workspace)")
+
+
+def _new_workspace(n: int, device: torch.device) -> Workspace:
+    return Workspace(torch.empty(n * MAX_CHUNKS, device=device, dtype=torch.float32),
+                     torch.zeros(n * MAX_CHUNKS, device=device, dtype=torch.int32),
+                     torch.zeros(n, device=device, dtype=torch.int32))
 
 
 def split(rows: int, v: int, device: torch.device) -> tuple[int, int]:

@@ -218,3 +218,12 @@ def test_launch_switch(monkeypatch):
     for env, want in (("1", {"PDL": True, "launch_pdl": True}), ("wait", {"PDL": 2, "launch_pdl": True})):
         monkeypatch.setenv("LODESTAR_PDL", env)
         assert tq.pdl() == (want if hopper else {"PDL": False})
+
+
+def test_graph_buffers_grow_and_keep_the_old_ones():
+    cache = {}
+    make = lambda n, dev: torch.zeros(n, device=dev)   # noqa: E731
+    first = tq.graph_buffers(cache, torch.device("cpu"), 3, 8, torch.Tensor.numel, make, "x")
+    assert first.numel() == 8 and tq.graph_buffers(cache, "cpu", 8, 8, torch.Tensor.numel, make, "x") is first
+    grown = tq.graph_buffers(cache, "cpu", 9, 8, torch.Tensor.numel, make, "x")
+    assert grown.numel() == 16 and cache[torch.device("cpu")] == [first, grown]
