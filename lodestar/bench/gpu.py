@@ -346,75 +346,97 @@ def stage_8b_q4_0(r: Results) -> None:
     _model_cells(r, "llama-3.1-8b", "Q4_0")
 
 
+SWEEP_QTYPES = "Q4_K,F16"
+
+
+def sweep_qtypes() -> list[str]:
+    """The 8B files the context sweep decodes (env ``LODESTAR_SWEEP_QTYPES``, a comma list;
+    unset: Q4_K then F16)."""
+    return [q.strip() for q in os.environ.get("LODESTAR_SWEEP_QTYPES", SWEEP_QTYPES).split(",") if q.strip()]
+
+
 def stage_sweep(r: Results, csv_path: Path | None, svg_path: Path | None) -> None:
+    """Decode speed against context, one 8B file per ``sweep_qtypes()``: CSV (a row per
+    type and context) and SVG (a line per type, with its roofline)."""
     contexts = (1024, 2048, 4096, 8192, 16384, 32768)
     new = 64
     max_len = contexts[-1] + new + 16
-    state = {}
-
-    def load():
-        engine, load_s, _ = synthetic_engine("llama-3.1-8b", "Q4_K", max_len=max_len, max_seqs=1, kv_tokens=max_len,
-                                             context=65536)
-        state["engine"] = engine
-        return {"load_s": round(load_s, 2)}
-
-    r.cell("llama-3.1-8b-Q4_K/load", load, 20)
-    if "engine" not in state:
-        return
-    engine = state["engine"]
-    read = read_bytes_per_token(engine.loaded.model)
-    bw = bandwidth_from(r)
     rows = []
-    for ctx in contexts:
-        def cell(ctx=ctx):
-            out = context_cell(engine, ctx, new, read, bw)
-            rows.append(out)
-            return out
-        r.cell(f"llama-3.1-8b-Q4_K/context_{ctx}", cell, 8)
+    for qtype in sweep_qtypes():
+        state = {}
+
+        def load(qtype=qtype):
+            engine, load_s, _ = synthetic_engine("llama-3.1-8b", qtype, max_len=max_len, max_seqs=1,
+                                                 kv_tokens=max_len, context=65536)
+            state["engine"] = engine
+            return {"load_s": round(load_s, 2)}
+
+        r.cell(f"llama-3.1-8b-{qtype}/load", load, 20)
+        if "engine" not in state:
+            continue
+        engine = state["engine"]
+        read = read_bytes_per_token(engine.loaded.model)
+        bw = bandwidth_from(r)
+        for ctx in contexts:
+            def cell(ctx=ctx, qtype=qtype):
+                out = context_cell(engine, ctx, new, read, bw)
+                rows.append({"qtype": qtype, **out})
+                return out
+            r.cell(f"llama-3.1-8b-{qtype}/context_{ctx}", cell, 8)
+        state.clear()
+        del engine
+        release()
     if csv_path and rows:
-        lines = ["context,decode_tok_s_median,decode_tok_s_min,decode_tok_s_max,ms_per_token,roofline_tok_s"]
-        lines += [f"{o['context']},{o['decode_tok_s']['median']},{o['decode_tok_s']['min']},{o['decode_tok_s']['max']},"
-                  f"{o['ms_per_token']},{o.get('roofline_tok_s', '')}" for o in rows]
+        lines = ["qtype,context,decode_tok_s_median,decode_tok_s_min,decode_tok_s_max,ms_per_token,roofline_tok_s"]
+        lines += [f"{o['qtype']},{o['context']},{o['decode_tok_s']['median']},{o['decode_tok_s']['min']},"
+                  f"{o['decode_tok_s']['max']},{o['ms_per_token']},{o.get('roofline_tok_s', '')}" for o in rows]
         csv_path.write_text("\n".join(lines) + "\n")
     if svg_path and rows:
         svg_path.write_text(svg_plot(rows))
-    state.clear()
-    del engine
-    release()
 
 
 def svg_plot(rows: list[dict]) -> str:
-    """Decode tok/s (and roofline) against context, log2 x axis, as a small SVG."""
+    """Decode tok/s (solid) and its roofline (dashed) against context, log2 x axis, one
+    colour per file type (``qtype`` of each row; rows without one are one line), as SVG."""
     import math
     W, H, L, B = 640, 360, 60, 40
-    xs = [math.log2(o["context"]) for o in rows]
-    ys = [o["decode_tok_s"]["median"] for o in rows]
-    roof = [o.get("roofline_tok_s") for o in rows]
-    ymax = max(ys + [v for v in roof if v]) * 1.1
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    colours = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e")
+    groups: dict[str, list[dict]] = {}
+    for o in rows:
+        groups.setdefault(o.get("qtype", ""), []).append(o)
+    allx = [math.log2(o["context"]) for o in rows]
+    ymax = max([o["decode_tok_s"]["median"] for o in rows] + [o["roofline_tok_s"] for o in rows
+                                                               if o.get("roofline_tok_s")]) * 1.1
+    x0 = min(allx)
+    x1 = max(allx) if max(allx) > x0 else x0 + 1
 
     def px(x, y):
         return L + (x - x0) / (x1 - x0) * (W - L - 20), H - B - y / ymax * (H - B - 20)
 
-    def line(vals, color, dash=""):
-        pts = " ".join(f"{px(x, y)[0]:.1f},{px(x, y)[1]:.1f}" for x, y in zip(xs, vals) if y)
-        return f'<polyline fill="none" stroke="{color}" stroke-width="2" {dash} points="{pts}"/>'
+    def line(pts, color, dash=""):
+        xy = " ".join(f"{px(x, y)[0]:.1f},{px(x, y)[1]:.1f}" for x, y in pts if y)
+        return f'<polyline fill="none" stroke="{color}" stroke-width="2" {dash} points="{xy}"/>'
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
              f'<rect width="{W}" height="{H}" fill="white"/>',
              f'<line x1="{L}" y1="{H - B}" x2="{W - 20}" y2="{H - B}" stroke="black"/>',
-             f'<line x1="{L}" y1="20" x2="{L}" y2="{H - B}" stroke="black"/>',
-             line(ys, "#1f77b4"), line(roof, "#d62728", 'stroke-dasharray="5,4"')]
-    for o, x in zip(rows, xs):
+             f'<line x1="{L}" y1="20" x2="{L}" y2="{H - B}" stroke="black"/>']
+    for i, (qtype, grp) in enumerate(groups.items()):
+        colour = colours[i % len(colours)]
+        xs = [math.log2(o["context"]) for o in grp]
+        parts.append(line(zip(xs, [o["decode_tok_s"]["median"] for o in grp]), colour))
+        parts.append(line(zip(xs, [o.get("roofline_tok_s") for o in grp]), colour, 'stroke-dasharray="5,4"'))
+        parts.append(f'<text x="{W - 150}" y="{40 + 16 * i}" fill="{colour}">{qtype or "decode"}</text>')
+    for x in sorted(set(allx)):
         X, _ = px(x, 0)
-        parts.append(f'<text x="{X:.0f}" y="{H - B + 16}" text-anchor="middle">{o["context"] // 1024}k</text>')
+        parts.append(f'<text x="{X:.0f}" y="{H - B + 16}" text-anchor="middle">{round(2 ** x) // 1024}k</text>')
     for i in range(5):
         y = ymax * i / 4
         _, Y = px(x0, y)
         parts.append(f'<text x="{L - 6}" y="{Y + 4:.0f}" text-anchor="end">{y:.0f}</text>')
     parts += [f'<text x="{W / 2}" y="{H - 6}" text-anchor="middle">context (tokens)</text>',
-              '<text x="14" y="14">decode tok/s — Llama-3.1-8B geometry, Q4_K, batch 1 '
-              '(blue: measured, red dashed: bandwidth roofline)</text>', "</svg>"]
+              '<text x="14" y="14">decode tok/s — Llama-3.1-8B geometry, batch 1 '
+              '(solid: measured, dashed: bandwidth roofline)</text>', "</svg>"]
     return "\n".join(parts)
 
 

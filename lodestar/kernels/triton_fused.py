@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import GROUP, QuantizedRows, pdl, triton_enabled
+from lodestar.kernels.triton_quant import GROUP, QuantizedRows, pdl, prefetch_launch, triton_enabled
 
 
 def _pow2(n: int) -> int:
@@ -54,10 +54,12 @@ def _quant_outputs(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
-             residual: torch.Tensor | None = None, quantize: bool = False):
+             residual: torch.Tensor | None = None, quantize: bool = False,
+             prefetch: list[torch.Tensor] | None = None):
     """RMSNorm of ``x`` (2-D or 3-D) -> contiguous result in x's dtype; with ``residual``
     returns ``(norm(x + residual), x + residual)``. ``quantize=True`` returns the norm as
-    ``QuantizedRows`` (bf16 2-D ``x`` only)."""
+    ``QuantizedRows`` (bf16 2-D ``x`` only). ``prefetch``: the next projection's weight
+    arrays, for L2 (``triton_quant.prefetch_launch``; same results)."""
     shape = x.shape
     x3 = _as_3d(x)
     A, B, D = x3.shape
@@ -67,10 +69,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     words, d1, sums = _quant_outputs(out, quantize)
     block = _pow2(max(D, GROUP))
     slices = _norm_slices(A * B, D)
-    _rms_norm_kernel[(A * B, slices)](
+    warps = 4 if D <= 2048 else 8
+    extra, pf = prefetch_launch(prefetch, A * B, slices, 32 * warps)
+    _rms_norm_kernel[(A * B + extra, slices)](
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
-        res_in.stride(1), eps, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block, OFFSET=offset,
-        HAS_RES=residual is not None, QUANT=quantize, num_warps=4 if D <= 2048 else 8, **pdl())
+        res_in.stride(1), eps, A * B, *pf, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block,
+        OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize, PF=extra > 0, PF_LANES=32 * warps,
+        num_warps=warps, **pdl())
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
 
@@ -104,11 +109,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool
 
 def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
           rotary_dim: int, v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-          v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+          prefetch: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place; ``cos``/``sin`` ``[P, rotary_dim]`` fp32.
 
     With ``v``, ``k_cache``, ``v_cache`` (``[slots, Hk, D]``) and ``slots [T]`` the same
     kernel also stores the rotated k and v at their KV slots (one launch instead of three).
+    ``prefetch`` as for ``rms_norm``.
     """
     T, Hq, D = q.shape
     Hk = k.shape[1]
@@ -123,12 +130,13 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     tail = D - rotary_dim
     P = rope_programs(Hq, Hk)
     hq, hk = Hq // P, Hk // P
-    _rope_kernel[(T, P)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                         cos.stride(0), vv, kc, vc, sl, vv.stride(0), vv.stride(1), kc.stride(0), kc.stride(1),
-                         vc.stride(0), vc.stride(1),
-                         Hq=hq, Hk=hk, HQ_PAD=_pow2(hq), HK_PAD=_pow2(hk), HALF=half, HALF_PAD=_pow2(half),
-                         D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
-                         num_warps=4, **pdl())
+    extra, pf = prefetch_launch(prefetch, T, P, 128)
+    _rope_kernel[(T + extra, P)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                 cos.stride(0), vv, kc, vc, sl, vv.stride(0), vv.stride(1), kc.stride(0),
+                                 kc.stride(1), vc.stride(0), vc.stride(1), T, *pf,
+                                 Hq=hq, Hk=hk, HQ_PAD=_pow2(hq), HK_PAD=_pow2(hk), HALF=half, HALF_PAD=_pow2(half),
+                                 D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
+                                 PF=extra > 0, PF_LANES=128, num_warps=4, **pdl())
     return q, k
 
 
@@ -158,7 +166,7 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: tor
 
 # ---------------------------------------------------------------------- activations
 
-def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool):
+def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool, prefetch: list[torch.Tensor] | None):
     T, Fd = gate.shape
     if gate.stride(-1) != 1:
         gate = gate.contiguous()
@@ -167,19 +175,26 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool):
     out = torch.empty(T, Fd, device=gate.device, dtype=gate.dtype)
     words, d1, sums = _quant_outputs(out, quantize)
     block = 1024    # a whole number of 32-element groups per program
-    _glu_kernel[(T, -(-Fd // block))](gate, up, out, words, d1, sums, gate.stride(0), up.stride(0), Fd,
-                                      ACT=act, BLOCK=block, QUANT=quantize, num_warps=4, **pdl())
+    blocks = -(-Fd // block)
+    extra, pf = prefetch_launch(prefetch, T, blocks, 128)
+    _glu_kernel[(T + extra, blocks)](gate, up, out, words, d1, sums, gate.stride(0), up.stride(0), Fd, T, *pf,
+                                     ACT=act, BLOCK=block, QUANT=quantize, PF=extra > 0, PF_LANES=128,
+                                     num_warps=4, **pdl())
     return QuantizedRows(out, words, d1, sums) if quantize else out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False):
-    """``silu(gate) * up`` for [T, F] views (``QuantizedRows`` with ``quantize``)."""
-    return _glu(gate, up, 0, quantize)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False,
+             prefetch: list[torch.Tensor] | None = None):
+    """``silu(gate) * up`` for [T, F] views (``QuantizedRows`` with ``quantize``; ``prefetch``
+    as for ``rms_norm``)."""
+    return _glu(gate, up, 0, quantize, prefetch)
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False):
-    """``gelu_tanh(gate) * up`` for [T, F] views (``QuantizedRows`` with ``quantize``)."""
-    return _glu(gate, up, 1, quantize)
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False,
+                  prefetch: list[torch.Tensor] | None = None):
+    """``gelu_tanh(gate) * up`` for [T, F] views (``QuantizedRows`` with ``quantize``;
+    ``prefetch`` as for ``rms_norm``)."""
+    return _glu(gate, up, 1, quantize, prefetch)
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -197,7 +212,7 @@ if triton_enabled():
     import triton.language as tl
 
     from lodestar.kernels.triton_dense import _glu_act, _pdl_enter, _residual_chunk, _rms_apply, _rms_rstd
-    from lodestar.kernels.triton_quant import _quant_groups, _store_quant_groups
+    from lodestar.kernels.triton_quant import _quant_groups, _store_quant_groups, _weight_prefetch
 
     @triton.jit
     def _quant_store(words_ptr, d1_ptr, sums_ptr, y, row, g0, D, BLOCK: tl.constexpr):
@@ -223,11 +238,29 @@ if triton_enabled():
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
-                         B, sx0, sx1, sr0, sr1, eps, D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
-                         OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+                         B, sx0, sx1, sr0, sr1, eps, ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2,
+                         D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
+                         OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PF: tl.constexpr,
+                         PF_LANES: tl.constexpr, PDL: tl.constexpr):
         """Row ``program_id(0)``: the scale from the whole row (``_rms_rstd``, which the dense
         matrix-vector kernel uses when it fuses this norm), then columns ``SLICE *
-        program_id(1) ..`` normalized (SLICE == BLOCK: the whole row, kept in registers)."""
+        program_id(1) ..`` normalized (SLICE == BLOCK: the whole row, kept in registers).
+        PF: rows ``ROWS ..`` of programs are weight prefetchers (``triton_quant.prefetch_launch``)."""
+        if PF:
+            if tl.program_id(0) >= ROWS:
+                _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES)
+            else:
+                _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
+                              B, sx0, sx1, sr0, sr1, eps, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT, PDL)
+        else:
+            _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
+                          B, sx0, sx1, sr0, sr1, eps, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT, PDL)
+
+    @triton.jit
+    def _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
+                      B, sx0, sx1, sr0, sr1, eps, D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
+                      OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         a = (row // B).to(tl.int64)
@@ -285,9 +318,31 @@ if triton_enabled():
     @triton.jit
     def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
                      v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
+                     ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2,
                      Hq: tl.constexpr, Hk: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                     TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
+                     TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr, PF: tl.constexpr,
+                     PF_LANES: tl.constexpr, PDL: tl.constexpr):
+        """Token ``program_id(0)``, kv head group ``program_id(1)``; PF as ``_rms_norm_kernel``."""
+        if PF:
+            if tl.program_id(0) >= ROWS:
+                _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES)
+            else:
+                _rope_token(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
+                            v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
+                            Hq, Hk, HQ_PAD, HK_PAD, HALF, HALF_PAD, D, D_PAD, TAIL, TAIL_PAD, STORE_KV, PDL)
+        else:
+            _rope_token(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
+                        v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
+                        Hq, Hk, HQ_PAD, HK_PAD, HALF, HALF_PAD, D, D_PAD, TAIL, TAIL_PAD, STORE_KV, PDL)
+
+    @triton.jit
+    def _rope_token(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
+                    v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
+                    Hq: tl.constexpr, Hk: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+                    HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                    TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)    # this program's share: q heads h * Hq .., k and v heads h * Hk ..
@@ -312,7 +367,22 @@ if triton_enabled():
 
     @triton.jit
     def _glu_kernel(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd,
-                    ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+                    ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2,
+                    ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, PF: tl.constexpr,
+                    PF_LANES: tl.constexpr, PDL: tl.constexpr):
+        """Token ``program_id(0)``, columns ``BLOCK * program_id(1) ..``; PF as ``_rms_norm_kernel``."""
+        if PF:
+            if tl.program_id(0) >= ROWS:
+                _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES)
+            else:
+                _glu_block(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd, ACT, BLOCK, QUANT, PDL)
+        else:
+            _glu_block(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd, ACT, BLOCK, QUANT, PDL)
+
+    @triton.jit
+    def _glu_block(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd,
+                   ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
         _pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

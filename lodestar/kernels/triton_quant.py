@@ -577,6 +577,78 @@ def graph_buffers(cache: dict, device: torch.device, need: int, minimum: int, si
     return bufs[-1]
 
 
+# ------------------------------------------------------------------- weight prefetch
+
+# A decode step's small kernels (RMSNorm, RoPE + KV store, gated activation) read a few
+# KB and leave HBM idle; with a prefetch they also ask L2 for (the first part of) the
+# weights of the projection that runs next, so that its stream starts while they run.
+# The asks come from extra programs of that kernel (about one per SM, so that no SM
+# issues them all), which neither wait for the previous kernel nor touch its data: each
+# lane issues one ``cp.async.bulk.prefetch.L2`` of up to ``chunk`` bytes per range
+# (the range split evenly over all lanes).
+# Nothing is written, so the results are the same bits with or without it.
+PREFETCH_RANGES = 3             # the largest arrays of a projection (codes, then scales)
+WEIGHT_PREFETCH_DEFAULT_MB = "0"
+_NO_PREFETCH = (0,) * (3 * PREFETCH_RANGES)
+_PREFETCH_ARGS: dict[tuple, tuple[int, ...]] = {}
+
+
+def weight_prefetch_limit() -> int:
+    """Bytes of the next projection's weights the small kernels of a decode step ask L2 for
+    (env ``LODESTAR_WEIGHT_PREFETCH`` in MiB, ``0`` off; read at each call)."""
+    env = os.environ.get("LODESTAR_WEIGHT_PREFETCH", WEIGHT_PREFETCH_DEFAULT_MB).strip() or "0"
+    try:
+        mib = float(env)
+    except ValueError:
+        mib = -1.0
+    if mib < 0:
+        raise ValueError(f"LODESTAR_WEIGHT_PREFETCH={env!r}; give MiB (a number >= 0, 0: off)")
+    return int(mib * (1 << 20))
+
+
+def prefetch_plan(ranges: list[tuple[int, int]], limit: int, sms: int, programs_per_row: int, lanes: int
+                  ) -> tuple[int, ...]:
+    """``prefetch_launch``'s arithmetic: ``(extra rows, address, bytes, chunk, ...)`` for the
+    largest PREFETCH_RANGES of ``ranges`` ((address, bytes) each), the first ``limit`` bytes
+    of them together in proportion to their sizes, over about ``sms`` programs of ``lanes``
+    lanes (whole rows of ``programs_per_row``). Bytes and chunks are multiples of 16;
+    unaligned ranges are left out; unused slots are 0."""
+    extra = -(-sms // programs_per_row)
+    slots = extra * programs_per_row * lanes
+    chosen = sorted(ranges, key=lambda r: -r[1])[:PREFETCH_RANGES]
+    total = sum(n for _, n in chosen)
+    frac = min(1.0, limit / total) if total else 0.0
+    flat: list[int] = []
+    for addr, size in chosen:
+        n = int(frac * size) // 16 * 16
+        if addr % 16 or n == 0:
+            continue
+        flat += [addr, n, (-(-n // slots) + 15) // 16 * 16]     # every lane of every program asks
+    return (extra,) + tuple(flat + [0] * (3 * PREFETCH_RANGES - len(flat)))
+
+
+def prefetch_launch(arrays: list[torch.Tensor] | None, rows: int, programs_per_row: int, lanes: int,
+                    ) -> tuple[int, tuple[int, ...]]:
+    """(extra rows of programs, their kernel arguments) for a kernel whose grid is ``(rows,
+    programs_per_row)`` with ``lanes`` threads a program to prefetch ``arrays`` (the next
+    projection's, ``cuda_linear.prefetch_arrays``) up to ``weight_prefetch_limit()`` bytes:
+    the first part of every array in the same proportion (the rows read first). No
+    prefetch (0 rows) without arrays, on the CPU or the interpreter, for more rows than
+    the matrix-vector kernel takes, or with the limit at 0."""
+    if not arrays or interpreted() or rows > SMALL_M_MAX or not arrays[0].is_cuda:
+        return 0, _NO_PREFETCH
+    limit = weight_prefetch_limit()
+    if limit <= 0:
+        return 0, _NO_PREFETCH
+    ranges = tuple((a.data_ptr(), a.numel() * a.element_size()) for a in arrays)
+    key = (ranges, limit, programs_per_row, lanes)
+    args = _PREFETCH_ARGS.get(key)
+    if args is None:
+        args = _PREFETCH_ARGS[key] = prefetch_plan(list(ranges), limit, _num_sms(arrays[0].device),
+                                                   programs_per_row, lanes)
+    return (args[0], args[1:]) if any(args[1:]) else (0, _NO_PREFETCH)
+
+
 def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
     c = pw.tile_counters
     if c is None or c.numel() < tiles:
@@ -1194,6 +1266,26 @@ if triton_enabled():
         loaded into registers."""
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+    @triton.jit
+    def _bulk_prefetch(addr, nbytes, chunk, lane):
+        """Ask L2 for bytes ``[lane * chunk, (lane + 1) * chunk)`` (clipped to ``nbytes``) from
+        the address ``addr`` (an integer; 16-byte aligned, chunk a multiple of 16), one
+        ``cp.async.bulk.prefetch`` a lane; lanes past the end ask nothing."""
+        off = lane.to(tl.int64) * chunk
+        size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr + off, size], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _weight_prefetch(i, a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES: tl.constexpr):
+        """Prefetch program ``i``'s share of up to three ranges (``prefetch_launch``'s
+        arguments: address, bytes, chunk each; bytes 0: none)."""
+        lane = i * LANES + tl.arange(0, LANES)
+        _bulk_prefetch(a0, n0, c0, lane)
+        _bulk_prefetch(a1, n1, c1, lane)
+        _bulk_prefetch(a2, n2, c2, lane)
 
     @triton.jit
     def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

@@ -115,6 +115,25 @@ def takes_glu_epilogue(module: object, x) -> bool:
     return isinstance(module, CudaDenseLinear) and module.fuses_glu(x)
 
 
+def prefetch_arrays(module: object) -> list[torch.Tensor] | None:
+    """The GPU weight arrays of a projection (``CudaQuantLinear``: codes and scales;
+    ``CudaDenseLinear``: the matrix; a list of projections: all of theirs, in order) for
+    a kernel running before it to ask L2 for (``triton_quant.prefetch_launch``); None for
+    anything else or with the prefetch off."""
+    from lodestar.kernels.triton_quant import weight_prefetch_limit
+    if weight_prefetch_limit() <= 0:
+        return None
+    if isinstance(module, (list, nn.ModuleList)):
+        arrays = [a for m in module for a in (prefetch_arrays(m) or [])]
+        return arrays or None
+    if isinstance(module, CudaQuantLinear):
+        w = module.weight
+        return [t for t in (w.codes, w.d, w.high, w.dmin, w.sc, w.m) if t is not None]
+    if isinstance(module, CudaDenseLinear):
+        return [module.weight]
+    return None
+
+
 class CudaDenseLinear(nn.Module):
     """``y = x @ W.T`` with W dense (bf16 or fp32); y in x's dtype. ``x`` may also be a
     ``triton_dense.PendingNorm`` / ``PendingGlu``, computed inside the matrix-vector kernel

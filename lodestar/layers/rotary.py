@@ -66,12 +66,14 @@ class RotaryEmbedding(nn.Module):
 
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """CUDA: rotate q and k in place and store k, v at ``slots`` of the caches, one kernel.
-        Returns the rotated q."""
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                         prefetch: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """CUDA: rotate q and k in place and store k, v at ``slots`` of the caches, one kernel
+        (which also asks L2 for ``prefetch``, the next projection's weight arrays). Returns
+        the rotated q."""
         from lodestar.kernels.triton_fused import rope_
         rope_(q, k, positions, self.cos, self.sin, self.rotary_dim, v=v, k_cache=k_cache, v_cache=v_cache,
-              slots=slots)
+              slots=slots, prefetch=prefetch)
         return q
 
 

@@ -101,13 +101,13 @@ class LlamaAttention(nn.Module):
         new, quantize = None, False
         if batch.gpu is not None:
             from lodestar.layers.attention import decode_new_tokens
-            from lodestar.layers.cuda_linear import takes_quantized_input
+            from lodestar.layers.cuda_linear import prefetch_arrays, takes_quantized_input
             quantize = takes_quantized_input(self.o)    # a decode step may quantize for it (attn_quant)
             # decode step, fusion attn_rope: the attention kernel rotates q and k and stores k, v
             new = decode_new_tokens(batch, positions, q, k, v, self.k_cache, self.v_cache, self.rope)
             if new is None:     # rotation and the KV store in one kernel
                 q = self.rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache,
-                                               batch.gpu.slot_mapping)
+                                               batch.gpu.slot_mapping, prefetch=prefetch_arrays(self.o))
         else:
             q, k = self.rope(positions, q, k)
             write_kv(self.k_cache, self.v_cache, k, v, batch)
@@ -144,7 +144,8 @@ class LlamaMLP(nn.Module):
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         if quantize:
             from lodestar.kernels import triton_fused
-            return self.down(triton_fused.silu_mul(gate, up, quantize=True))
+            from lodestar.layers.cuda_linear import prefetch_arrays
+            return self.down(triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down)))
         return self.down(silu_mul(gate, up))
 
 
@@ -170,7 +171,7 @@ class LlamaBlock(nn.Module):
         ``dense_norm`` the residual stream ``x``/``h`` is written by the projection that fuses
         the norm, so it is read only after that projection ran."""
         from lodestar.kernels.triton_quant import quantizable
-        from lodestar.layers.cuda_linear import takes_pending_input, takes_quantized_input
+        from lodestar.layers.cuda_linear import prefetch_arrays, takes_pending_input, takes_quantized_input
         quant = "quant" in fuse and x.dtype == torch.bfloat16
         q_attn = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.attn.qkv)
         q_mlp = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.mlp.gate_up)
@@ -181,14 +182,14 @@ class LlamaBlock(nn.Module):
         if n_attn:
             x, xn = self.attn_norm.pending(x, delta)
         elif delta is None:
-            xn = self.attn_norm(x, quantize=q_attn)
+            xn = self.attn_norm(x, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv))
         else:
-            x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn)
+            x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv))
         attn_out = self.attn(xn, positions, batch)
         if n_mlp:
             h, y = self.ffn_norm.pending(x, attn_out)
         else:
-            h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp)
+            h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp, prefetch=prefetch_arrays(self.mlp.gate_up))
         return h, self.mlp(y, quantize=q_down, glu_epilogue="glu_epilogue" in fuse)
 
 
@@ -221,13 +222,15 @@ class LlamaModel(nn.Module):
 
     def _forward_gpu(self, h: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         from lodestar.kernels.triton_quant import fusions
+        from lodestar.layers.cuda_linear import prefetch_arrays
         fuse = fusions()
         delta = None
         for blk in self.layers:
             h, delta = blk.forward_gpu(h, delta, positions, batch, fuse)
             if "residual" not in fuse:
                 h, delta = h + delta, None
-        return self.norm(h) if delta is None else self.norm.add_norm(h, delta)[1]
+        head = prefetch_arrays(self.head)
+        return self.norm(h, prefetch=head) if delta is None else self.norm.add_norm(h, delta, prefetch=head)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -93,3 +93,74 @@ def test_gated_activations_on_fused_halves(dtype):
     torch.testing.assert_close(tf.silu_mul(gate, up).float(), tf.silu_mul_ref(gate, up).float(), **_tol(dtype, dev))
     torch.testing.assert_close(tf.gelu_tanh_mul(gate, up).float(), tf.gelu_tanh_mul_ref(gate, up).float(),
                                **_tol(dtype, dev))
+
+
+# ------------------------------------------------------------------ weight prefetch
+
+def test_weight_prefetch_plan_takes_the_same_first_share_of_the_largest_arrays():
+    from lodestar.kernels import triton_quant as tq
+    codes, scales, mins, tiny = (1 << 20, 16_000_000), (1 << 30, 1_000_000), (3 << 30, 1_000_000), (5 << 30, 64)
+    extra, *args = tq.prefetch_plan([tiny, scales, codes, mins], 9_000_000, sms=132, programs_per_row=4,
+                                    lanes=256)
+    assert extra == 33 and len(args) == 3 * tq.PREFETCH_RANGES
+    triples = [tuple(args[i:i + 3]) for i in range(0, len(args), 3)]
+    assert [t[0] for t in triples] == [codes[0], scales[0], mins[0]]       # largest first, tiny left out
+    frac = 9_000_000 / 18_000_000
+    lanes = 33 * 4 * 256
+    for (addr, n, chunk), (_, size) in zip(triples, (codes, scales, mins)):
+        assert n % 16 == 0 and chunk % 16 == 0 and frac * size - 16 < n <= frac * size
+        assert n <= chunk * lanes < n + 16 * lanes                           # spread over every lane
+    # the whole of each when the limit exceeds them; an unaligned array is skipped
+    _, *args = tq.prefetch_plan([codes, (scales[0] + 8, scales[1])], 1 << 40, sms=132, programs_per_row=1,
+                                lanes=128)
+    assert args[:3] == [codes[0], codes[1], (-(-codes[1] // (132 * 128)) + 15) // 16 * 16] and args[3:] == [0] * 6
+
+
+def test_weight_prefetch_limit_and_where_it_applies(monkeypatch):
+    from lodestar.kernels import triton_quant as tq
+    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "1.5")
+    assert tq.weight_prefetch_limit() == 3 << 19
+    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "0")
+    assert tq.weight_prefetch_limit() == 0
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", bad)
+        with pytest.raises(ValueError, match="LODESTAR_WEIGHT_PREFETCH"):
+            tq.weight_prefetch_limit()
+    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "16")
+    cpu = [torch.zeros(1 << 16, dtype=torch.uint8)]
+    assert tq.prefetch_launch(cpu, 1, 4, 256) == (0, (0,) * (3 * tq.PREFETCH_RANGES))    # CPU: never
+    assert tq.prefetch_launch(None, 1, 4, 256)[0] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight prefetch runs on the GPU only")
+def test_weight_prefetch_changes_no_result(monkeypatch):
+    from lodestar.kernels import triton_quant as tq
+    g = torch.Generator().manual_seed(5)
+    arrays = [torch.randint(0, 255, (6 << 20,), generator=g, dtype=torch.uint8).cuda(),
+              torch.randn(1 << 18, generator=g).half().cuda(), torch.randn(999, generator=g).cuda()]
+    x = torch.randn(1, 4096, generator=g).bfloat16().cuda()
+    r = torch.randn(1, 4096, generator=g).bfloat16().cuda()
+    w = (torch.rand(4096, generator=g) + 0.5).cuda()
+    cos, sin = _rope_tables(128, "cuda")
+    qkv0 = torch.randn(1, 48 * 128, generator=g).bfloat16().cuda()
+    gu = (torch.randn(1, 2 * 14336, generator=g) * 4).bfloat16().cuda()
+
+    def run():
+        y, h = tf.rms_norm(x, w, 1e-5, residual=r, quantize=True, prefetch=arrays)
+        qkv = qkv0.clone()
+        q, k, v = qkv[:, :4096].view(1, 32, 128), qkv[:, 4096:5120].view(1, 8, 128), qkv[:, 5120:].view(1, 8, 128)
+        kc = torch.zeros(16, 8, 128, dtype=torch.bfloat16, device="cuda")
+        vc = torch.zeros_like(kc)
+        tf.rope_(q, k, torch.tensor([9], device="cuda"), cos, sin, 128, v=v, k_cache=kc, v_cache=vc,
+                 slots=torch.tensor([3], device="cuda"), prefetch=arrays)
+        a = tf.silu_mul(gu[:, :14336], gu[:, 14336:], quantize=True, prefetch=arrays)
+        torch.cuda.synchronize()
+        return [y.x, y.words, y.d1, y.sums, h, qkv, kc, vc, a.x, a.words, a.d1, a.sums]
+
+    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "0")
+    ref = run()
+    for mib in ("1", "64"):
+        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", mib)
+        assert tq.prefetch_launch(arrays, 1, 4, 256)[0] > 0
+        for got, want in zip(run(), ref):
+            assert torch.equal(got, want)

@@ -1,0 +1,22 @@
+"""The context sweep's plot and type list (no GPU needed)."""
+from __future__ import annotations
+
+from lodestar.bench.gpu import svg_plot, sweep_qtypes
+
+
+def _rows(qtype, first):
+    return [{"qtype": qtype, "context": c, "decode_tok_s": {"median": first * f}, "roofline_tok_s": first * f * 1.2}
+            for c, f in ((1024, 1.0), (8192, 0.9), (32768, 0.6))]
+
+
+def test_one_line_and_roofline_per_file_type():
+    svg = svg_plot(_rows("Q4_K", 470.0) + _rows("F16", 255.0))
+    assert svg.count("<polyline") == 4 and svg.count('stroke-dasharray="5,4"') == 2
+    assert ">Q4_K</text>" in svg and ">F16</text>" in svg and ">32k</text>" in svg
+
+
+def test_sweep_types_from_the_environment(monkeypatch):
+    monkeypatch.delenv("LODESTAR_SWEEP_QTYPES", raising=False)
+    assert sweep_qtypes() == ["Q4_K", "F16"]
+    monkeypatch.setenv("LODESTAR_SWEEP_QTYPES", " F16 ,")
+    assert sweep_qtypes() == ["F16"]
