@@ -70,11 +70,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     block = _pow2(max(D, GROUP))
     slices = _norm_slices(A * B, D)
     warps = 4 if D <= 2048 else 8
-    extra, pf = prefetch_launch(prefetch, A * B, slices, 32 * warps)
+    extra, pf, form = prefetch_launch(prefetch, A * B, slices, 32 * warps)
     _rms_norm_kernel[(A * B + extra, slices)](
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
         res_in.stride(1), eps, A * B, *pf, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block,
-        OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize, PF=extra > 0, PF_LANES=32 * warps,
+        OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize, PF=form, PF_LANES=32 * warps,
         num_warps=warps, **pdl())
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
@@ -130,13 +130,13 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     tail = D - rotary_dim
     P = rope_programs(Hq, Hk)
     hq, hk = Hq // P, Hk // P
-    extra, pf = prefetch_launch(prefetch, T, P, 128)
+    extra, pf, form = prefetch_launch(prefetch, T, P, 128)
     _rope_kernel[(T + extra, P)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                  cos.stride(0), vv, kc, vc, sl, vv.stride(0), vv.stride(1), kc.stride(0),
                                  kc.stride(1), vc.stride(0), vc.stride(1), T, *pf,
                                  Hq=hq, Hk=hk, HQ_PAD=_pow2(hq), HK_PAD=_pow2(hk), HALF=half, HALF_PAD=_pow2(half),
                                  D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
-                                 PF=extra > 0, PF_LANES=128, num_warps=4, **pdl())
+                                 PF=form, PF_LANES=128, num_warps=4, **pdl())
     return q, k
 
 
@@ -176,9 +176,9 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool, prefetc
     words, d1, sums = _quant_outputs(out, quantize)
     block = 1024    # a whole number of 32-element groups per program
     blocks = -(-Fd // block)
-    extra, pf = prefetch_launch(prefetch, T, blocks, 128)
+    extra, pf, form = prefetch_launch(prefetch, T, blocks, 128)
     _glu_kernel[(T + extra, blocks)](gate, up, out, words, d1, sums, gate.stride(0), up.stride(0), Fd, T, *pf,
-                                     ACT=act, BLOCK=block, QUANT=quantize, PF=extra > 0, PF_LANES=128,
+                                     ACT=act, BLOCK=block, QUANT=quantize, PF=form, PF_LANES=128,
                                      num_warps=4, **pdl())
     return QuantizedRows(out, words, d1, sums) if quantize else out
 
@@ -245,11 +245,13 @@ if triton_enabled():
         """Row ``program_id(0)``: the scale from the whole row (``_rms_rstd``, which the dense
         matrix-vector kernel uses when it fuses this norm), then columns ``SLICE *
         program_id(1) ..`` normalized (SLICE == BLOCK: the whole row, kept in registers).
-        PF: rows ``ROWS ..`` of programs are weight prefetchers (``triton_quant.prefetch_launch``)."""
+        PF (0: none): rows ``ROWS ..`` of programs are weight prefetchers of that form
+        (``triton_quant.prefetch_launch``)."""
         if PF:
             if tl.program_id(0) >= ROWS:
                 _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES)
+                                 (tl.num_programs(0) - ROWS) * tl.num_programs(1),
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF)
             else:
                 _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                               B, sx0, sx1, sr0, sr1, eps, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT, PDL)
@@ -327,7 +329,8 @@ if triton_enabled():
         if PF:
             if tl.program_id(0) >= ROWS:
                 _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES)
+                                 (tl.num_programs(0) - ROWS) * tl.num_programs(1),
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF)
             else:
                 _rope_token(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
                             v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
@@ -374,7 +377,8 @@ if triton_enabled():
         if PF:
             if tl.program_id(0) >= ROWS:
                 _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES)
+                                 (tl.num_programs(0) - ROWS) * tl.num_programs(1),
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF)
             else:
                 _glu_block(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd, ACT, BLOCK, QUANT, PDL)
         else:

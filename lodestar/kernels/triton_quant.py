@@ -584,11 +584,15 @@ def graph_buffers(cache: dict, device: torch.device, need: int, minimum: int, si
 # weights of the projection that runs next, so that its stream starts while they run.
 # The asks come from extra programs of that kernel (about one per SM, so that no SM
 # issues them all), which neither wait for the previous kernel nor touch its data: each
-# lane issues one ``cp.async.bulk.prefetch.L2`` of up to ``chunk`` bytes per range
-# (the range split evenly over all lanes).
+# range is asked for in one of three forms (``weight_prefetch_form``): ``bulk``, one
+# ``cp.async.bulk.prefetch.L2`` per lane of up to ``chunk`` bytes (the range split evenly
+# over all lanes); ``line`` / ``sector``, ``prefetch.global.L2`` of every 128 / 32 bytes,
+# all lanes of all programs covering the range's first bytes first.
 # Nothing is written, so the results are the same bits with or without it.
 PREFETCH_RANGES = 3             # the largest arrays of a projection (codes, then scales)
 WEIGHT_PREFETCH_DEFAULT_MB = "0"
+PREFETCH_FORMS = {"bulk": 1, "line": 128, "sector": 32}     # the kernels' PF constexpr
+WEIGHT_PREFETCH_DEFAULT_FORM = "line"
 _NO_PREFETCH = (0,) * (3 * PREFETCH_RANGES)
 _PREFETCH_ARGS: dict[tuple, tuple[int, ...]] = {}
 
@@ -606,13 +610,23 @@ def weight_prefetch_limit() -> int:
     return int(mib * (1 << 20))
 
 
-def prefetch_plan(ranges: list[tuple[int, int]], limit: int, sms: int, programs_per_row: int, lanes: int
-                  ) -> tuple[int, ...]:
-    """``prefetch_launch``'s arithmetic: ``(extra rows, address, bytes, chunk, ...)`` for the
+def weight_prefetch_form() -> int:
+    """The prefetch instruction form (env ``LODESTAR_WEIGHT_PREFETCH_FORM``: ``bulk``,
+    ``line`` or ``sector``) as the kernels' ``PF`` value (``PREFETCH_FORMS``)."""
+    env = os.environ.get("LODESTAR_WEIGHT_PREFETCH_FORM", WEIGHT_PREFETCH_DEFAULT_FORM).strip()
+    if env not in PREFETCH_FORMS:
+        raise ValueError(f"LODESTAR_WEIGHT_PREFETCH_FORM={env!r}; use one of {', '.join(PREFETCH_FORMS)}")
+    return PREFETCH_FORMS[env]
+
+
+def prefetch_plan(ranges: list[tuple[int, int]], limit: int, sms: int, programs_per_row: int, lanes: int,
+                  form: int = 1) -> tuple[int, ...]:
+    """``prefetch_launch``'s arithmetic: ``(extra rows, address, bytes, step, ...)`` for the
     largest PREFETCH_RANGES of ``ranges`` ((address, bytes) each), the first ``limit`` bytes
     of them together in proportion to their sizes, over about ``sms`` programs of ``lanes``
-    lanes (whole rows of ``programs_per_row``). Bytes and chunks are multiples of 16;
-    unaligned ranges are left out; unused slots are 0."""
+    lanes (whole rows of ``programs_per_row``). ``step``: bytes a lane asks for in one
+    bulk prefetch (``form`` 1), else the prefetches of ``form`` bytes each lane issues.
+    Bytes and chunks are multiples of 16; unaligned ranges are left out; unused slots are 0."""
     extra = -(-sms // programs_per_row)
     slots = extra * programs_per_row * lanes
     chosen = sorted(ranges, key=lambda r: -r[1])[:PREFETCH_RANGES]
@@ -623,30 +637,33 @@ def prefetch_plan(ranges: list[tuple[int, int]], limit: int, sms: int, programs_
         n = int(frac * size) // 16 * 16
         if addr % 16 or n == 0:
             continue
-        flat += [addr, n, (-(-n // slots) + 15) // 16 * 16]     # every lane of every program asks
+        step = (-(-n // slots) + 15) // 16 * 16 if form == 1 else -(-n // (slots * form))
+        flat += [addr, n, step]
     return (extra,) + tuple(flat + [0] * (3 * PREFETCH_RANGES - len(flat)))
 
 
 def prefetch_launch(arrays: list[torch.Tensor] | None, rows: int, programs_per_row: int, lanes: int,
-                    ) -> tuple[int, tuple[int, ...]]:
-    """(extra rows of programs, their kernel arguments) for a kernel whose grid is ``(rows,
+                    ) -> tuple[int, tuple[int, ...], int]:
+    """(extra rows of programs, their kernel arguments, the ``PF`` constexpr: 0 for none) for
+    a kernel whose grid is ``(rows,
     programs_per_row)`` with ``lanes`` threads a program to prefetch ``arrays`` (the next
     projection's, ``cuda_linear.prefetch_arrays``) up to ``weight_prefetch_limit()`` bytes:
     the first part of every array in the same proportion (the rows read first). No
     prefetch (0 rows) without arrays, on the CPU or the interpreter, for more rows than
     the matrix-vector kernel takes, or with the limit at 0."""
     if not arrays or interpreted() or rows > SMALL_M_MAX or not arrays[0].is_cuda:
-        return 0, _NO_PREFETCH
+        return 0, _NO_PREFETCH, 0
     limit = weight_prefetch_limit()
     if limit <= 0:
-        return 0, _NO_PREFETCH
+        return 0, _NO_PREFETCH, 0
+    form = weight_prefetch_form()
     ranges = tuple((a.data_ptr(), a.numel() * a.element_size()) for a in arrays)
-    key = (ranges, limit, programs_per_row, lanes)
+    key = (ranges, limit, programs_per_row, lanes, form)
     args = _PREFETCH_ARGS.get(key)
     if args is None:
         args = _PREFETCH_ARGS[key] = prefetch_plan(list(ranges), limit, _num_sms(arrays[0].device),
-                                                   programs_per_row, lanes)
-    return (args[0], args[1:]) if any(args[1:]) else (0, _NO_PREFETCH)
+                                                   programs_per_row, lanes, form)
+    return (args[0], args[1:], form) if any(args[1:]) else (0, _NO_PREFETCH, 0)
 
 
 def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
@@ -1279,13 +1296,30 @@ if triton_enabled():
             "=r,l,r", [addr + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _weight_prefetch(i, a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES: tl.constexpr):
-        """Prefetch program ``i``'s share of up to three ranges (``prefetch_launch``'s
-        arguments: address, bytes, chunk each; bytes 0: none)."""
+    def _line_prefetch(addr, nbytes, iters, lane, lanes, STRIDE: tl.constexpr):
+        """``prefetch.global.L2`` of the ``STRIDE``-byte pieces ``(j * lanes + lane) * STRIDE``
+        (j < iters) of ``nbytes`` from ``addr``: every lane's first piece, then the second..."""
+        for j in range(iters):
+            off = (lane.to(tl.int64) + j * lanes) * STRIDE
+            ok = off < nbytes
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                "=r,l,r", [addr + tl.where(ok, off, 0), ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _weight_prefetch(i, programs, a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES: tl.constexpr, FORM: tl.constexpr):
+        """Prefetch program ``i`` of ``programs``: its share of up to three ranges
+        (``prefetch_launch``'s arguments: address, bytes, step each; bytes 0: none) in the
+        form ``FORM`` (``PREFETCH_FORMS``)."""
         lane = i * LANES + tl.arange(0, LANES)
-        _bulk_prefetch(a0, n0, c0, lane)
-        _bulk_prefetch(a1, n1, c1, lane)
-        _bulk_prefetch(a2, n2, c2, lane)
+        if FORM == 1:
+            _bulk_prefetch(a0, n0, c0, lane)
+            _bulk_prefetch(a1, n1, c1, lane)
+            _bulk_prefetch(a2, n2, c2, lane)
+        else:
+            _line_prefetch(a0, n0, c0, lane, programs * LANES, FORM)
+            _line_prefetch(a1, n1, c1, lane, programs * LANES, FORM)
+            _line_prefetch(a2, n2, c2, lane, programs * LANES, FORM)
 
     @triton.jit
     def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

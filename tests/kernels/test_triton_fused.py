@@ -114,6 +114,9 @@ def test_weight_prefetch_plan_takes_the_same_first_share_of_the_largest_arrays()
     _, *args = tq.prefetch_plan([codes, (scales[0] + 8, scales[1])], 1 << 40, sms=132, programs_per_row=1,
                                 lanes=128)
     assert args[:3] == [codes[0], codes[1], (-(-codes[1] // (132 * 128)) + 15) // 16 * 16] and args[3:] == [0] * 6
+    # line form: prefetches of 128 bytes per lane, enough for every line
+    _, *args = tq.prefetch_plan([codes], 1 << 40, sms=132, programs_per_row=1, lanes=128, form=128)
+    assert args[:3] == [codes[0], codes[1], -(-codes[1] // (132 * 128 * 128))]
 
 
 def test_weight_prefetch_limit_and_where_it_applies(monkeypatch):
@@ -128,8 +131,13 @@ def test_weight_prefetch_limit_and_where_it_applies(monkeypatch):
             tq.weight_prefetch_limit()
     monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "16")
     cpu = [torch.zeros(1 << 16, dtype=torch.uint8)]
-    assert tq.prefetch_launch(cpu, 1, 4, 256) == (0, (0,) * (3 * tq.PREFETCH_RANGES))    # CPU: never
+    assert tq.prefetch_launch(cpu, 1, 4, 256) == (0, (0,) * (3 * tq.PREFETCH_RANGES), 0)    # CPU: never
     assert tq.prefetch_launch(None, 1, 4, 256)[0] == 0
+    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", "sector")
+    assert tq.weight_prefetch_form() == 32
+    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", "tma")
+    with pytest.raises(ValueError, match="LODESTAR_WEIGHT_PREFETCH_FORM"):
+        tq.weight_prefetch_form()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight prefetch runs on the GPU only")
@@ -159,8 +167,10 @@ def test_weight_prefetch_changes_no_result(monkeypatch):
 
     monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "0")
     ref = run()
-    for mib in ("1", "64"):
-        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", mib)
-        assert tq.prefetch_launch(arrays, 1, 4, 256)[0] > 0
-        for got, want in zip(run(), ref):
-            assert torch.equal(got, want)
+    for form in tq.PREFETCH_FORMS:
+        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", form)
+        for mib in ("1", "64"):
+            monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", mib)
+            assert tq.prefetch_launch(arrays, 1, 4, 256)[0] > 0
+            for got, want in zip(run(), ref):
+                assert torch.equal(got, want)
