@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import GROUP, QuantizedRows, pdl, prefetch_launch, triton_enabled
+from lodestar.kernels.triton_quant import GROUP, QuantizedRows, pdl, prefetch_launch, prefetch_waits, triton_enabled
 
 
 def _pow2(n: int) -> int:
@@ -75,6 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
         res_in.stride(1), eps, A * B, *pf, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block,
         OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize, PF=form, PF_LANES=32 * warps,
+        PF_WAIT=prefetch_waits(),
         num_warps=warps, **pdl())
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
@@ -136,7 +137,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
                                  kc.stride(1), vc.stride(0), vc.stride(1), T, *pf,
                                  Hq=hq, Hk=hk, HQ_PAD=_pow2(hq), HK_PAD=_pow2(hk), HALF=half, HALF_PAD=_pow2(half),
                                  D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
-                                 PF=form, PF_LANES=128, num_warps=4, **pdl())
+                                 PF=form, PF_LANES=128, PF_WAIT=prefetch_waits(), num_warps=4, **pdl())
     return q, k
 
 
@@ -179,6 +180,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool, prefetc
     extra, pf, form = prefetch_launch(prefetch, T, blocks, 128)
     _glu_kernel[(T + extra, blocks)](gate, up, out, words, d1, sums, gate.stride(0), up.stride(0), Fd, T, *pf,
                                      ACT=act, BLOCK=block, QUANT=quantize, PF=form, PF_LANES=128,
+                                     PF_WAIT=prefetch_waits(),
                                      num_warps=4, **pdl())
     return QuantizedRows(out, words, d1, sums) if quantize else out
 
@@ -241,7 +243,7 @@ if triton_enabled():
                          B, sx0, sx1, sr0, sr1, eps, ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2,
                          D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
                          OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PF: tl.constexpr,
-                         PF_LANES: tl.constexpr, PDL: tl.constexpr):
+                         PF_LANES: tl.constexpr, PF_WAIT: tl.constexpr, PDL: tl.constexpr):
         """Row ``program_id(0)``: the scale from the whole row (``_rms_rstd``, which the dense
         matrix-vector kernel uses when it fuses this norm), then columns ``SLICE *
         program_id(1) ..`` normalized (SLICE == BLOCK: the whole row, kept in registers).
@@ -251,7 +253,7 @@ if triton_enabled():
             if tl.program_id(0) >= ROWS:
                 _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
                                  (tl.num_programs(0) - ROWS) * tl.num_programs(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF)
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
             else:
                 _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                               B, sx0, sx1, sr0, sr1, eps, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT, PDL)
@@ -324,13 +326,13 @@ if triton_enabled():
                      Hq: tl.constexpr, Hk: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr, PF: tl.constexpr,
-                     PF_LANES: tl.constexpr, PDL: tl.constexpr):
+                     PF_LANES: tl.constexpr, PF_WAIT: tl.constexpr, PDL: tl.constexpr):
         """Token ``program_id(0)``, kv head group ``program_id(1)``; PF as ``_rms_norm_kernel``."""
         if PF:
             if tl.program_id(0) >= ROWS:
                 _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
                                  (tl.num_programs(0) - ROWS) * tl.num_programs(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF)
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
             else:
                 _rope_token(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
                             v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
@@ -372,13 +374,13 @@ if triton_enabled():
     def _glu_kernel(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd,
                     ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2,
                     ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, PF: tl.constexpr,
-                    PF_LANES: tl.constexpr, PDL: tl.constexpr):
+                    PF_LANES: tl.constexpr, PF_WAIT: tl.constexpr, PDL: tl.constexpr):
         """Token ``program_id(0)``, columns ``BLOCK * program_id(1) ..``; PF as ``_rms_norm_kernel``."""
         if PF:
             if tl.program_id(0) >= ROWS:
                 _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
                                  (tl.num_programs(0) - ROWS) * tl.num_programs(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF)
+                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
             else:
                 _glu_block(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd, ACT, BLOCK, QUANT, PDL)
         else:

@@ -583,7 +583,8 @@ def graph_buffers(cache: dict, device: torch.device, need: int, minimum: int, si
 # KB and leave HBM idle; with a prefetch they also ask L2 for (the first part of) the
 # weights of the projection that runs next, so that its stream starts while they run.
 # The asks come from extra programs of that kernel (about one per SM, so that no SM
-# issues them all), which neither wait for the previous kernel nor touch its data: each
+# issues them all), which touch no data of any kernel (``prefetch_waits``: whether they
+# wait for the previous kernel to end first); each
 # range is asked for in one of three forms (``weight_prefetch_form``): ``bulk``, one
 # ``cp.async.bulk.prefetch.L2`` per lane of up to ``chunk`` bytes (the range split evenly
 # over all lanes); ``line`` / ``sector``, ``prefetch.global.L2`` of every 128 / 32 bytes,
@@ -617,6 +618,16 @@ def weight_prefetch_form() -> int:
     if env not in PREFETCH_FORMS:
         raise ValueError(f"LODESTAR_WEIGHT_PREFETCH_FORM={env!r}; use one of {', '.join(PREFETCH_FORMS)}")
     return PREFETCH_FORMS[env]
+
+
+def prefetch_waits() -> bool:
+    """Whether the prefetching programs first wait for the previous kernel to end (env
+    ``LODESTAR_WEIGHT_PREFETCH_EARLY``: unset or 0, they wait; 1, they start at once, while
+    the previous kernel may still be streaming its own weights)."""
+    env = os.environ.get("LODESTAR_WEIGHT_PREFETCH_EARLY", "0").strip() or "0"
+    if env not in ("0", "1"):
+        raise ValueError(f"LODESTAR_WEIGHT_PREFETCH_EARLY={env!r}; use 0 or 1")
+    return env == "0"
 
 
 def prefetch_plan(ranges: list[tuple[int, int]], limit: int, sms: int, programs_per_row: int, lanes: int,
@@ -1307,10 +1318,13 @@ if triton_enabled():
                 "=r,l,r", [addr + tl.where(ok, off, 0), ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _weight_prefetch(i, programs, a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES: tl.constexpr, FORM: tl.constexpr):
+    def _weight_prefetch(i, programs, a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES: tl.constexpr, FORM: tl.constexpr,
+                         WAIT: tl.constexpr, PDL: tl.constexpr):
         """Prefetch program ``i`` of ``programs``: its share of up to three ranges
         (``prefetch_launch``'s arguments: address, bytes, step each; bytes 0: none) in the
-        form ``FORM`` (``PREFETCH_FORMS``)."""
+        form ``FORM`` (``PREFETCH_FORMS``), after the previous kernel ended with ``WAIT``."""
+        if WAIT:
+            _pdl_enter(PDL)
         lane = i * LANES + tl.arange(0, LANES)
         if FORM == 1:
             _bulk_prefetch(a0, n0, c0, lane)

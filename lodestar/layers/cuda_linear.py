@@ -27,6 +27,8 @@ in full every step and its bytes are what decode speed pays for.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
@@ -115,13 +117,26 @@ def takes_glu_epilogue(module: object, x) -> bool:
     return isinstance(module, CudaDenseLinear) and module.fuses_glu(x)
 
 
-def prefetch_arrays(module: object) -> list[torch.Tensor] | None:
+PREFETCH_SITES = ("qkv", "o", "gate_up", "down", "head")
+
+
+def prefetch_sites() -> frozenset[str]:
+    """Projections whose weights the kernel before them asks L2 for (env
+    ``LODESTAR_WEIGHT_PREFETCH_SITES``, a comma list of ``PREFETCH_SITES``; unset: all)."""
+    env = os.environ.get("LODESTAR_WEIGHT_PREFETCH_SITES", "").strip()
+    sites = frozenset(s.strip() for s in env.split(",") if s.strip()) if env else frozenset(PREFETCH_SITES)
+    if not sites <= set(PREFETCH_SITES):
+        raise ValueError(f"LODESTAR_WEIGHT_PREFETCH_SITES={env!r}; use a comma list of {', '.join(PREFETCH_SITES)}")
+    return sites
+
+
+def prefetch_arrays(module: object, site: str | None = None) -> list[torch.Tensor] | None:
     """The GPU weight arrays of a projection (``CudaQuantLinear``: codes and scales;
     ``CudaDenseLinear``: the matrix; a list of projections: all of theirs, in order) for
     a kernel running before it to ask L2 for (``triton_quant.prefetch_launch``); None for
-    anything else or with the prefetch off."""
+    anything else, with the prefetch off, or for a ``site`` not in ``prefetch_sites()``."""
     from lodestar.kernels.triton_quant import weight_prefetch_limit
-    if weight_prefetch_limit() <= 0:
+    if weight_prefetch_limit() <= 0 or (site is not None and site not in prefetch_sites()):
         return None
     if isinstance(module, (list, nn.ModuleList)):
         arrays = [a for m in module for a in (prefetch_arrays(m) or [])]

@@ -107,7 +107,7 @@ class LlamaAttention(nn.Module):
             new = decode_new_tokens(batch, positions, q, k, v, self.k_cache, self.v_cache, self.rope)
             if new is None:     # rotation and the KV store in one kernel
                 q = self.rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache,
-                                               batch.gpu.slot_mapping, prefetch=prefetch_arrays(self.o))
+                                               batch.gpu.slot_mapping, prefetch=prefetch_arrays(self.o, "o"))
         else:
             q, k = self.rope(positions, q, k)
             write_kv(self.k_cache, self.v_cache, k, v, batch)
@@ -145,7 +145,8 @@ class LlamaMLP(nn.Module):
         if quantize:
             from lodestar.kernels import triton_fused
             from lodestar.layers.cuda_linear import prefetch_arrays
-            return self.down(triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down)))
+            act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down, "down"))
+            return self.down(act)
         return self.down(silu_mul(gate, up))
 
 
@@ -182,14 +183,15 @@ class LlamaBlock(nn.Module):
         if n_attn:
             x, xn = self.attn_norm.pending(x, delta)
         elif delta is None:
-            xn = self.attn_norm(x, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv))
+            xn = self.attn_norm(x, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"))
         else:
-            x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv))
+            x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"))
         attn_out = self.attn(xn, positions, batch)
         if n_mlp:
             h, y = self.ffn_norm.pending(x, attn_out)
         else:
-            h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp, prefetch=prefetch_arrays(self.mlp.gate_up))
+            h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp,
+                                          prefetch=prefetch_arrays(self.mlp.gate_up, "gate_up"))
         return h, self.mlp(y, quantize=q_down, glu_epilogue="glu_epilogue" in fuse)
 
 
@@ -229,7 +231,7 @@ class LlamaModel(nn.Module):
             h, delta = blk.forward_gpu(h, delta, positions, batch, fuse)
             if "residual" not in fuse:
                 h, delta = h + delta, None
-        head = prefetch_arrays(self.head)
+        head = prefetch_arrays(self.head, "head")
         return self.norm(h, prefetch=head) if delta is None else self.norm.add_norm(h, delta, prefetch=head)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

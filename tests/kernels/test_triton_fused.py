@@ -138,6 +138,9 @@ def test_weight_prefetch_limit_and_where_it_applies(monkeypatch):
     monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", "tma")
     with pytest.raises(ValueError, match="LODESTAR_WEIGHT_PREFETCH_FORM"):
         tq.weight_prefetch_form()
+    assert tq.prefetch_waits()
+    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_EARLY", "1")
+    assert not tq.prefetch_waits()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight prefetch runs on the GPU only")
@@ -167,8 +170,9 @@ def test_weight_prefetch_changes_no_result(monkeypatch):
 
     monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "0")
     ref = run()
-    for form in tq.PREFETCH_FORMS:
+    for form, early in [(f, "0") for f in tq.PREFETCH_FORMS] + [("line", "1")]:
         monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", form)
+        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_EARLY", early)
         for mib in ("1", "64"):
             monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", mib)
             assert tq.prefetch_launch(arrays, 1, 4, 256)[0] > 0
