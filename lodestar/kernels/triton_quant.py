@@ -79,7 +79,7 @@ Kernels (reference in brackets, same module):
 
 Decode fusions (``fusions()``, env ``LODESTAR_FUSE``: unset or ``1`` all, ``0`` none, or a
 comma list of ``quant``, ``split_sum``, ``residual``, ``dense_norm``, ``attn_rope``,
-``attn_reduce``, ``attn_quant``, ``glu_epilogue``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
+``attn_reduce``, ``attn_quant``, ``glu_epilogue``, ``quant_glu``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
 
 ``import triton`` happens only when CUDA is available or ``TRITON_INTERPRET=1`` (the
 interpreter runs the same kernels on CPU tensors, which is how the tests exercise them
@@ -152,7 +152,7 @@ _PDL_DEVICE: bool | None = None
 
 
 FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "attn_quant",
-           "glu_epilogue")
+           "glu_epilogue", "quant_glu")
 # On unless LODESTAR_FUSE says otherwise. attn_rope and attn_reduce are left out: the H200
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
@@ -176,7 +176,9 @@ def fusions() -> frozenset[str]:
     the decode-attention reduce also emits the quantized x of the output projection (no
     separate x quantization before it);
     ``glu_epilogue``: a one-row dense gate|up projection applies the gated activation to its
-    own output (no separate SiLU·mul kernel)."""
+    own output (no separate SiLU·mul kernel); ``quant_glu``: so does a packed gate|up
+    projection of up to SMALL_M_MAX rows, quantizing the result for ``down``
+    (``quant_matmul_glu``)."""
     env = os.environ.get("LODESTAR_FUSE", "").strip()
     if env in ("", "default"):
         return frozenset(DEFAULT_FUSIONS)
@@ -580,18 +582,29 @@ def graph_buffers(cache: dict, device: torch.device, need: int, minimum: int, si
 # ------------------------------------------------------------------- weight prefetch
 
 # A decode step's small kernels (RMSNorm, RoPE + KV store, gated activation) read a few
-# KB and leave HBM idle; with a prefetch they also ask L2 for (the first part of) the
-# weights of the projection that runs next, so that its stream starts while they run.
-# The asks come from extra programs of that kernel (about one per SM, so that no SM
-# issues them all), which touch no data of any kernel (``prefetch_waits``: whether they
-# wait for the previous kernel to end first); each
-# range is asked for in one of three forms (``weight_prefetch_form``): ``bulk``, one
-# ``cp.async.bulk.prefetch.L2`` per lane of up to ``chunk`` bytes (the range split evenly
-# over all lanes); ``line`` / ``sector``, ``prefetch.global.L2`` of every 128 / 32 bytes,
-# all lanes of all programs covering the range's first bytes first.
-# Nothing is written, so the results are the same bits with or without it.
+# KB and leave HBM idle; with a prefetch they also ask L2 for the weights of the
+# projection that runs next (whole, when they fit in ``weight_prefetch_limit()``). The
+# asks come from extra programs of that kernel (about one per SM, so that no SM issues
+# them all), which touch no data of any kernel and, unless ``prefetch_waits()`` is off,
+# first wait for the previous kernel to end. Each range is asked for in one of three
+# forms (``weight_prefetch_form``): ``bulk``, one ``cp.async.bulk.prefetch.L2`` per lane
+# (the range split evenly over all lanes); ``line`` / ``sector``, ``prefetch.global.L2``
+# of every 128 / 32 bytes, all lanes of all programs covering the range's first bytes
+# first. Nothing is written, so the results are the same bits with or without it.
+#
+# Measured on the H200 (runs 31-33, same tokens, one-stream decode): SmolLM2-135M F16,
+# whose projections are 0.7-3.5 MB, 1,654 -> 1,688 tok/s (line form, after the wait); the
+# 8B files only lose, whatever the form, size or site: Q4_0 517.5 -> 485.1 / 454.8 /
+# 437.0 tok/s asking for the first 16 / 32 / 64 MB of each projection (Q4_K 509.9 ->
+# 465.7 / 434.6 / 418.8; F16 258.5 -> 252.1 / 241.9 / 226.4); at 32 MB one site at a time,
+# Q4_0 517.0 -> 506.7 (q|k|v), 509.0 (o), 500.1 (gate|up), 489.4 (down). The small kernel
+# ends only when its asks are served, so the stream starts no sooner and the projection
+# after it waits; launched without the wait (``LODESTAR_WEIGHT_PREFETCH_EARLY=1``) the
+# asks compete with the previous projection's own stream (Q4_0 16 MB: 491.6 line, 494.9
+# sector, 500.9 bulk). Hence the default: projections of up to 4 MiB only, which no 8B
+# projection is.
 PREFETCH_RANGES = 3             # the largest arrays of a projection (codes, then scales)
-WEIGHT_PREFETCH_DEFAULT_MB = "0"
+WEIGHT_PREFETCH_DEFAULT_MB = "4"
 PREFETCH_FORMS = {"bulk": 1, "line": 128, "sector": 32}     # the kernels' PF constexpr
 WEIGHT_PREFETCH_DEFAULT_FORM = "line"
 _NO_PREFETCH = (0,) * (3 * PREFETCH_RANGES)
@@ -599,8 +612,9 @@ _PREFETCH_ARGS: dict[tuple, tuple[int, ...]] = {}
 
 
 def weight_prefetch_limit() -> int:
-    """Bytes of the next projection's weights the small kernels of a decode step ask L2 for
-    (env ``LODESTAR_WEIGHT_PREFETCH`` in MiB, ``0`` off; read at each call)."""
+    """The largest projection (all its weight arrays, bytes) whose weights the small kernel
+    before it in a decode step asks L2 for (env ``LODESTAR_WEIGHT_PREFETCH`` in MiB, default
+    4, ``0`` off; read at each call)."""
     env = os.environ.get("LODESTAR_WEIGHT_PREFETCH", WEIGHT_PREFETCH_DEFAULT_MB).strip() or "0"
     try:
         mib = float(env)
@@ -633,23 +647,22 @@ def prefetch_waits() -> bool:
 def prefetch_plan(ranges: list[tuple[int, int]], limit: int, sms: int, programs_per_row: int, lanes: int,
                   form: int = 1) -> tuple[int, ...]:
     """``prefetch_launch``'s arithmetic: ``(extra rows, address, bytes, step, ...)`` for the
-    largest PREFETCH_RANGES of ``ranges`` ((address, bytes) each), the first ``limit`` bytes
-    of them together in proportion to their sizes, over about ``sms`` programs of ``lanes``
-    lanes (whole rows of ``programs_per_row``). ``step``: bytes a lane asks for in one
-    bulk prefetch (``form`` 1), else the prefetches of ``form`` bytes each lane issues.
-    Bytes and chunks are multiples of 16; unaligned ranges are left out; unused slots are 0."""
+    largest PREFETCH_RANGES of ``ranges`` ((address, bytes) each, one projection's arrays),
+    whole, when all of ``ranges`` together are at most ``limit`` bytes (else nothing: all
+    0), over about ``sms`` programs of ``lanes`` lanes (whole rows of ``programs_per_row``).
+    ``step``: bytes a lane asks for in one bulk prefetch (``form`` 1), else the prefetches
+    of ``form`` bytes each lane issues. Bytes and chunks are multiples of 16; unaligned
+    ranges are left out; unused slots are 0."""
     extra = -(-sms // programs_per_row)
     slots = extra * programs_per_row * lanes
-    chosen = sorted(ranges, key=lambda r: -r[1])[:PREFETCH_RANGES]
-    total = sum(n for _, n in chosen)
-    frac = min(1.0, limit / total) if total else 0.0
     flat: list[int] = []
-    for addr, size in chosen:
-        n = int(frac * size) // 16 * 16
-        if addr % 16 or n == 0:
-            continue
-        step = (-(-n // slots) + 15) // 16 * 16 if form == 1 else -(-n // (slots * form))
-        flat += [addr, n, step]
+    if sum(n for _, n in ranges) <= limit:
+        for addr, size in sorted(ranges, key=lambda r: -r[1])[:PREFETCH_RANGES]:
+            n = size // 16 * 16
+            if addr % 16 or n == 0:
+                continue
+            step = (-(-n // slots) + 15) // 16 * 16 if form == 1 else -(-n // (slots * form))
+            flat += [addr, n, step]
     return (extra,) + tuple(flat + [0] * (3 * PREFETCH_RANGES - len(flat)))
 
 
@@ -658,10 +671,9 @@ def prefetch_launch(arrays: list[torch.Tensor] | None, rows: int, programs_per_r
     """(extra rows of programs, their kernel arguments, the ``PF`` constexpr: 0 for none) for
     a kernel whose grid is ``(rows,
     programs_per_row)`` with ``lanes`` threads a program to prefetch ``arrays`` (the next
-    projection's, ``cuda_linear.prefetch_arrays``) up to ``weight_prefetch_limit()`` bytes:
-    the first part of every array in the same proportion (the rows read first). No
-    prefetch (0 rows) without arrays, on the CPU or the interpreter, for more rows than
-    the matrix-vector kernel takes, or with the limit at 0."""
+    projection's, ``cuda_linear.prefetch_arrays``) if they fit in ``weight_prefetch_limit()``
+    bytes. No prefetch (0 rows) without arrays, on the CPU or the interpreter, for more
+    rows than the matrix-vector kernel takes, or for arrays over the limit."""
     if not arrays or interpreted() or rows > SMALL_M_MAX or not arrays[0].is_cuda:
         return 0, _NO_PREFETCH, 0
     limit = weight_prefetch_limit()
@@ -684,12 +696,41 @@ def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
     return c
 
 
+def glu_epilogue_fits(pw: PackedWeight, config: GemvConfig | None = None) -> bool:
+    """Whether the matrix-vector kernel can apply a gated activation to its own product for
+    the gate|up weight ``pw`` (``quant_matmul_glu``): the word-tile form over one split, row
+    blocks that tile 32-unit chunks, whole chunks of units."""
+    cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
+    return (cfg.words and pw.qtype in WORDS_CAPABLE and cfg.split_k == 1 and 32 % cfg.block_n == 0
+            and pw.n % 64 == 0)
+
+
+def quant_matmul_glu(x: torch.Tensor | QuantizedRows, pw: PackedWeight, act: int,
+                     config: GemvConfig | None = None) -> QuantizedRows:
+    """``act(gate) * up`` of ``x @ W.T`` (W: F gate rows then F up rows), quantized for the
+    next projection, in the matrix-vector kernel (``_glu_epilogue``): the same bits as
+    ``quant_matmul`` then ``triton_fused.silu_mul`` / ``gelu_tanh_mul`` with
+    ``quantize=True`` (``act``: ``triton_dense.SILU`` / ``GELU_TANH``), one launch fewer.
+    Needs ``glu_epilogue_fits``; bf16 rows."""
+    cfg = config or gemv_config(pw.n, pw.k, x.x.device if isinstance(x, QuantizedRows) else x.device, pw.qtype)
+    if not glu_epilogue_fits(pw, cfg):
+        raise ValueError(f"the gated-activation epilogue does not fit {pw.qtype.name} [{pw.n}, {pw.k}] with {cfg}")
+    M = x.shape[0]
+    F_ = pw.n // 2
+    act_out = torch.empty(M, F_, device=pw.device, dtype=torch.bfloat16)
+    aw, ad1, asums = QuantizedRows.empty(M, F_, pw.device)
+    counters = _tile_counters(pw, max(M, SMALL_M_MAX) * (F_ // GROUP))
+    quant_matmul(x, pw, torch.bfloat16, cfg, glu=(act_out, aw, ad1, asums, counters), glu_act=act)
+    return QuantizedRows(act_out, aw, ad1, asums)
+
+
 def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: torch.dtype | None = None,
-                 config: GemvConfig | None = None) -> torch.Tensor:
+                 config: GemvConfig | None = None, glu: tuple | None = None, glu_act: int = -1) -> torch.Tensor:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
 
     ``x`` may come quantized already (``QuantizedRows``). ``config`` replaces
-    ``gemv_config(N, K)`` (tests and tuning)."""
+    ``gemv_config(N, K)`` (tests and tuning). ``glu``/``glu_act``: ``quant_matmul_glu``'s
+    outputs and activation."""
     M, K = x.shape
     if K != pw.k:
         raise ValueError(f"x has {K} features, weight expects {pw.k}")
@@ -713,11 +754,12 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
     codes = pw.codes.view(torch.int32)
     if cfg.words and pw.qtype in WORDS_CAPABLE:
         even = pw.n % cfg.block_n == 0 and per_split % cfg.tile_groups == 0 and per_split * cfg.split_k == groups
+        glu_out = glu or (out, d1, d1, d1, counters)     # placeholders (never touched) without GLU
         _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
-                                 M * pw.n, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
-                                 GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
-                                 ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll, EVEN=even,
-                                 num_warps=cfg.num_warps, **pdl())
+                                 M * pw.n, *glu_out, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n,
+                                 TG=cfg.tile_groups, GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k,
+                                 LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
+                                 EVEN=even, GLU=glu_act, num_warps=cfg.num_warps, **pdl())
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -757,7 +799,7 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
-    from lodestar.kernels.triton_dense import _pdl_enter
+    from lodestar.kernels.triton_dense import _glu_act, _pdl_enter
 
     @triton.jit
     def _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr):
@@ -1257,12 +1299,14 @@ if triton_enabled():
     @triton.jit
     def _gemv_words_kernel(xw_ptr, d1_ptr, xsum_ptr, part_ptr, out_ptr, count_ptr, codes_ptr, high_ptr, d_ptr,
                            dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
+                           act_ptr, aw_ptr, ad1_ptr, asums_ptr, glu_count_ptr,
                            K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                            GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
                            ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
-                           PDL: tl.constexpr):
+                           GLU: tl.constexpr, PDL: tl.constexpr):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
-        partial row block or tile (every mask is true, so none is applied)."""
+        partial row block or tile (every mask is true, so none is applied). GLU >= 0 (one
+        split; rows: N/2 gate rows, then as many up rows): also ``_glu_epilogue``."""
         _pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -1287,6 +1331,34 @@ if triton_enabled():
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
                     stride_om, stride_split, SPLIT, LAST_SUMS)
+        if GLU >= 0:
+            _glu_epilogue(out_ptr, act_ptr, aw_ptr, ad1_ptr, asums_ptr, glu_count_ptr, pid_m, pid_n, N // 2,
+                          stride_om, BLOCK_N, GLU)
+
+    @triton.jit
+    def _glu_epilogue(out_ptr, act_ptr, aw_ptr, ad1_ptr, asums_ptr, count_ptr, pid_m, pid_n, F, stride_om,
+                      BLOCK_N: tl.constexpr, ACT: tl.constexpr):
+        """After a program stored its rows of a gate|up product (``out [M, 2F]``): the last of
+        the 2 * 32 / BLOCK_N programs holding one 32-unit chunk's gate and up rows to arrive
+        computes ``act(gate) * up`` for the chunk (``_glu_act`` on the stored bf16 values,
+        rounded once) into ``act [M, F]``, quantizes it as ``quantize_x`` would (the gated
+        activation kernel's ``quantize=True`` bits) and puts the chunk's counter back to 0."""
+        chunk = ((pid_n * BLOCK_N) % F) // 32
+        tile = pid_m * (F // 32) + chunk
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == 2 * (32 // BLOCK_N) - 1:
+            tl.debug_barrier()
+            cols = chunk * 32 + tl.arange(0, 32)
+            row = pid_m.to(tl.int64)
+            g = tl.load(out_ptr + row * stride_om + cols, cache_modifier=".cg").to(tl.float32)
+            u = tl.load(out_ptr + row * stride_om + F + cols, cache_modifier=".cg").to(tl.float32)
+            y = _glu_act(g, u, ACT).to(act_ptr.dtype.element_ty)
+            tl.store(act_ptr + row * F + cols, y)
+            w1, w2, d1, sa, sb = _quant_groups(tl.reshape(y.to(tl.float32), (1, 32)), 1)
+            grp = row * (F // 32) + chunk + tl.arange(0, 1)
+            _store_quant_groups(aw_ptr, ad1_ptr, asums_ptr, grp, grp >= 0, w1, w2, d1, sa, sb)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _prefetch_l2(ptrs):

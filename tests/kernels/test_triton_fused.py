@@ -97,20 +97,20 @@ def test_gated_activations_on_fused_halves(dtype):
 
 # ------------------------------------------------------------------ weight prefetch
 
-def test_weight_prefetch_plan_takes_the_same_first_share_of_the_largest_arrays():
+def test_weight_prefetch_plan_takes_the_largest_arrays_whole_when_they_fit():
     from lodestar.kernels import triton_quant as tq
-    codes, scales, mins, tiny = (1 << 20, 16_000_000), (1 << 30, 1_000_000), (3 << 30, 1_000_000), (5 << 30, 64)
-    extra, *args = tq.prefetch_plan([tiny, scales, codes, mins], 9_000_000, sms=132, programs_per_row=4,
-                                    lanes=256)
+    codes, scales, mins, tiny = (1 << 20, 1_600_000), (1 << 30, 100_000), (3 << 30, 100_008), (5 << 30, 64)
+    ranges = [tiny, scales, codes, mins]
+    total = sum(n for _, n in ranges)
+    extra, *args = tq.prefetch_plan(ranges, total, sms=132, programs_per_row=4, lanes=256)
     assert extra == 33 and len(args) == 3 * tq.PREFETCH_RANGES
     triples = [tuple(args[i:i + 3]) for i in range(0, len(args), 3)]
-    assert [t[0] for t in triples] == [codes[0], scales[0], mins[0]]       # largest first, tiny left out
-    frac = 9_000_000 / 18_000_000
+    assert [t[:2] for t in triples] == [codes, (mins[0], 100_000), scales]   # largest first, whole 16s
     lanes = 33 * 4 * 256
-    for (addr, n, chunk), (_, size) in zip(triples, (codes, scales, mins)):
-        assert n % 16 == 0 and chunk % 16 == 0 and frac * size - 16 < n <= frac * size
-        assert n <= chunk * lanes < n + 16 * lanes                           # spread over every lane
-    # the whole of each when the limit exceeds them; an unaligned array is skipped
+    for _, n, chunk in triples:
+        assert chunk % 16 == 0 and n <= chunk * lanes < n + 16 * lanes       # spread over every lane
+    # over the limit: nothing; an unaligned array is skipped
+    assert tq.prefetch_plan(ranges, total - 1, sms=132, programs_per_row=4, lanes=256)[1:] == (0,) * 9
     _, *args = tq.prefetch_plan([codes, (scales[0] + 8, scales[1])], 1 << 40, sms=132, programs_per_row=1,
                                 lanes=128)
     assert args[:3] == [codes[0], codes[1], (-(-codes[1] // (132 * 128)) + 15) // 16 * 16] and args[3:] == [0] * 6
@@ -121,6 +121,8 @@ def test_weight_prefetch_plan_takes_the_same_first_share_of_the_largest_arrays()
 
 def test_weight_prefetch_limit_and_where_it_applies(monkeypatch):
     from lodestar.kernels import triton_quant as tq
+    monkeypatch.delenv("LODESTAR_WEIGHT_PREFETCH", raising=False)
+    assert tq.weight_prefetch_limit() == 4 << 20
     monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "1.5")
     assert tq.weight_prefetch_limit() == 3 << 19
     monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "0")
@@ -173,7 +175,7 @@ def test_weight_prefetch_changes_no_result(monkeypatch):
     for form, early in [(f, "0") for f in tq.PREFETCH_FORMS] + [("line", "1")]:
         monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", form)
         monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_EARLY", early)
-        for mib in ("1", "64"):
+        for mib in ("7", "64"):
             monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", mib)
             assert tq.prefetch_launch(arrays, 1, 4, 256)[0] > 0
             for got, want in zip(run(), ref):
