@@ -79,7 +79,7 @@ Kernels (reference in brackets, same module):
 
 Decode fusions (``fusions()``, env ``LODESTAR_FUSE``: unset or ``1`` all, ``0`` none, or a
 comma list of ``quant``, ``split_sum``, ``residual``, ``dense_norm``, ``attn_rope``,
-``attn_reduce``, ``attn_quant``, ``glu_epilogue``, ``quant_glu``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
+``attn_reduce``, ``attn_quant``, ``glu_epilogue``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
 
 ``import triton`` happens only when CUDA is available or ``TRITON_INTERPRET=1`` (the
 interpreter runs the same kernels on CPU tensors, which is how the tests exercise them
@@ -152,13 +152,18 @@ _PDL_DEVICE: bool | None = None
 
 
 FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "attn_quant",
-           "glu_epilogue", "quant_glu")
+           "glu_epilogue")
 # On unless LODESTAR_FUSE says otherwise. attn_rope and attn_reduce are left out: the H200
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
 # attn_reduce 243.5, 464.7, 1,524).
 # attn_quant joined after run 23 (same tokens; 8B Q4_0 503.8 -> 510.9 tok/s, Q4_K
 # 500.9 -> 503.7; SmolLM2 F16, whose o projection is dense: 1,667.0 -> 1,666.2).
+# Measured and removed (run 34, same tokens): a packed gate|up projection applying SiLU·mul
+# and quantizing for down itself, in the last of each 32-unit chunk's programs to finish (an
+# atomic counter per chunk, as the K-split sum): 8B Q4_0 517.6 -> 501.8 tok/s, Q4_K 509.1 ->
+# 485.6; the barrier and acquire-release atomic at the end of each of the 3,584 programs cost
+# more than the activation kernel they replace.
 DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue")
 
 
@@ -176,9 +181,7 @@ def fusions() -> frozenset[str]:
     the decode-attention reduce also emits the quantized x of the output projection (no
     separate x quantization before it);
     ``glu_epilogue``: a one-row dense gate|up projection applies the gated activation to its
-    own output (no separate SiLU·mul kernel); ``quant_glu``: so does a packed gate|up
-    projection of up to SMALL_M_MAX rows, quantizing the result for ``down``
-    (``quant_matmul_glu``)."""
+    own output (no separate SiLU·mul kernel)."""
     env = os.environ.get("LODESTAR_FUSE", "").strip()
     if env in ("", "default"):
         return frozenset(DEFAULT_FUSIONS)
@@ -602,7 +605,8 @@ def graph_buffers(cache: dict, device: torch.device, need: int, minimum: int, si
 # after it waits; launched without the wait (``LODESTAR_WEIGHT_PREFETCH_EARLY=1``) the
 # asks compete with the previous projection's own stream (Q4_0 16 MB: 491.6 line, 494.9
 # sector, 500.9 bulk). Hence the default: projections of up to 4 MiB only, which no 8B
-# projection is.
+# projection is (run 34, same tokens, off -> default: SmolLM2 F16 1,661.5 -> 1,714.8 tok/s;
+# 8B Q4_0 517.0 / 517.6, Q4_K 509.9 / 509.1, F16 256.3 / 256.2).
 PREFETCH_RANGES = 3             # the largest arrays of a projection (codes, then scales)
 WEIGHT_PREFETCH_DEFAULT_MB = "4"
 PREFETCH_FORMS = {"bulk": 1, "line": 128, "sector": 32}     # the kernels' PF constexpr
@@ -696,41 +700,12 @@ def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
     return c
 
 
-def glu_epilogue_fits(pw: PackedWeight, config: GemvConfig | None = None) -> bool:
-    """Whether the matrix-vector kernel can apply a gated activation to its own product for
-    the gate|up weight ``pw`` (``quant_matmul_glu``): the word-tile form over one split, row
-    blocks that tile 32-unit chunks, whole chunks of units."""
-    cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
-    return (cfg.words and pw.qtype in WORDS_CAPABLE and cfg.split_k == 1 and 32 % cfg.block_n == 0
-            and pw.n % 64 == 0)
-
-
-def quant_matmul_glu(x: torch.Tensor | QuantizedRows, pw: PackedWeight, act: int,
-                     config: GemvConfig | None = None) -> QuantizedRows:
-    """``act(gate) * up`` of ``x @ W.T`` (W: F gate rows then F up rows), quantized for the
-    next projection, in the matrix-vector kernel (``_glu_epilogue``): the same bits as
-    ``quant_matmul`` then ``triton_fused.silu_mul`` / ``gelu_tanh_mul`` with
-    ``quantize=True`` (``act``: ``triton_dense.SILU`` / ``GELU_TANH``), one launch fewer.
-    Needs ``glu_epilogue_fits``; bf16 rows."""
-    cfg = config or gemv_config(pw.n, pw.k, x.x.device if isinstance(x, QuantizedRows) else x.device, pw.qtype)
-    if not glu_epilogue_fits(pw, cfg):
-        raise ValueError(f"the gated-activation epilogue does not fit {pw.qtype.name} [{pw.n}, {pw.k}] with {cfg}")
-    M = x.shape[0]
-    F_ = pw.n // 2
-    act_out = torch.empty(M, F_, device=pw.device, dtype=torch.bfloat16)
-    aw, ad1, asums = QuantizedRows.empty(M, F_, pw.device)
-    counters = _tile_counters(pw, max(M, SMALL_M_MAX) * (F_ // GROUP))
-    quant_matmul(x, pw, torch.bfloat16, cfg, glu=(act_out, aw, ad1, asums, counters), glu_act=act)
-    return QuantizedRows(act_out, aw, ad1, asums)
-
-
 def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: torch.dtype | None = None,
-                 config: GemvConfig | None = None, glu: tuple | None = None, glu_act: int = -1) -> torch.Tensor:
+                 config: GemvConfig | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
 
     ``x`` may come quantized already (``QuantizedRows``). ``config`` replaces
-    ``gemv_config(N, K)`` (tests and tuning). ``glu``/``glu_act``: ``quant_matmul_glu``'s
-    outputs and activation."""
+    ``gemv_config(N, K)`` (tests and tuning)."""
     M, K = x.shape
     if K != pw.k:
         raise ValueError(f"x has {K} features, weight expects {pw.k}")
@@ -754,12 +729,11 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
     codes = pw.codes.view(torch.int32)
     if cfg.words and pw.qtype in WORDS_CAPABLE:
         even = pw.n % cfg.block_n == 0 and per_split % cfg.tile_groups == 0 and per_split * cfg.split_k == groups
-        glu_out = glu or (out, d1, d1, d1, counters)     # placeholders (never touched) without GLU
         _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
-                                 M * pw.n, *glu_out, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n,
-                                 TG=cfg.tile_groups, GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k,
-                                 LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
-                                 EVEN=even, GLU=glu_act, num_warps=cfg.num_warps, **pdl())
+                                 M * pw.n, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
+                                 GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
+                                 ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll, EVEN=even,
+                                 num_warps=cfg.num_warps, **pdl())
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -799,7 +773,7 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
-    from lodestar.kernels.triton_dense import _glu_act, _pdl_enter
+    from lodestar.kernels.triton_dense import _pdl_enter
 
     @triton.jit
     def _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr):
@@ -1299,14 +1273,12 @@ if triton_enabled():
     @triton.jit
     def _gemv_words_kernel(xw_ptr, d1_ptr, xsum_ptr, part_ptr, out_ptr, count_ptr, codes_ptr, high_ptr, d_ptr,
                            dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
-                           act_ptr, aw_ptr, ad1_ptr, asums_ptr, glu_count_ptr,
                            K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                            GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
                            ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
-                           GLU: tl.constexpr, PDL: tl.constexpr):
+                           PDL: tl.constexpr):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
-        partial row block or tile (every mask is true, so none is applied). GLU >= 0 (one
-        split; rows: N/2 gate rows, then as many up rows): also ``_glu_epilogue``."""
+        partial row block or tile (every mask is true, so none is applied)."""
         _pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -1331,34 +1303,6 @@ if triton_enabled():
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
                     stride_om, stride_split, SPLIT, LAST_SUMS)
-        if GLU >= 0:
-            _glu_epilogue(out_ptr, act_ptr, aw_ptr, ad1_ptr, asums_ptr, glu_count_ptr, pid_m, pid_n, N // 2,
-                          stride_om, BLOCK_N, GLU)
-
-    @triton.jit
-    def _glu_epilogue(out_ptr, act_ptr, aw_ptr, ad1_ptr, asums_ptr, count_ptr, pid_m, pid_n, F, stride_om,
-                      BLOCK_N: tl.constexpr, ACT: tl.constexpr):
-        """After a program stored its rows of a gate|up product (``out [M, 2F]``): the last of
-        the 2 * 32 / BLOCK_N programs holding one 32-unit chunk's gate and up rows to arrive
-        computes ``act(gate) * up`` for the chunk (``_glu_act`` on the stored bf16 values,
-        rounded once) into ``act [M, F]``, quantizes it as ``quantize_x`` would (the gated
-        activation kernel's ``quantize=True`` bits) and puts the chunk's counter back to 0."""
-        chunk = ((pid_n * BLOCK_N) % F) // 32
-        tile = pid_m * (F // 32) + chunk
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == 2 * (32 // BLOCK_N) - 1:
-            tl.debug_barrier()
-            cols = chunk * 32 + tl.arange(0, 32)
-            row = pid_m.to(tl.int64)
-            g = tl.load(out_ptr + row * stride_om + cols, cache_modifier=".cg").to(tl.float32)
-            u = tl.load(out_ptr + row * stride_om + F + cols, cache_modifier=".cg").to(tl.float32)
-            y = _glu_act(g, u, ACT).to(act_ptr.dtype.element_ty)
-            tl.store(act_ptr + row * F + cols, y)
-            w1, w2, d1, sa, sb = _quant_groups(tl.reshape(y.to(tl.float32), (1, 32)), 1)
-            grp = row * (F // 32) + chunk + tl.arange(0, 1)
-            _store_quant_groups(aw_ptr, ad1_ptr, asums_ptr, grp, grp >= 0, w1, w2, d1, sa, sb)
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _prefetch_l2(ptrs):

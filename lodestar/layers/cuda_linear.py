@@ -91,12 +91,6 @@ class CudaQuantLinear(nn.Module):
         y = self._tq.matmul(x2, self.weight, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def forward_glu(self, x, act: int) -> "object":
-        """``act(gate) * up`` of this gate|up projection (gate rows, then as many up rows) for
-        rows ``x`` (a tensor or ``QuantizedRows``), quantized for the next projection: one
-        kernel (``triton_quant.quant_matmul_glu``; needs ``takes_quant_glu``)."""
-        return self._tq.quant_matmul_glu(x, self.weight, act)
-
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, cuda"
 
@@ -104,19 +98,6 @@ class CudaQuantLinear(nn.Module):
 def takes_quantized_input(module: object) -> bool:
     """Whether ``module`` accepts ``QuantizedRows`` (a fused producer may quantize for it)."""
     return isinstance(module, CudaQuantLinear)
-
-
-def takes_quant_glu(module: object, x) -> bool:
-    """Whether ``module`` is a packed gate|up projection whose matrix-vector kernel can apply
-    the gated activation to its own product for bf16 rows like ``x`` (a tensor or
-    ``QuantizedRows``) and quantize the result (``CudaQuantLinear.forward_glu``; fusion
-    ``quant_glu``)."""
-    from lodestar.kernels.triton_quant import QuantizedRows, glu_epilogue_fits, quantizable
-    if not isinstance(module, CudaQuantLinear):
-        return False
-    rows = x.x if isinstance(x, QuantizedRows) else x
-    return (rows.device == module.weight.device and rows.dtype == torch.bfloat16 and rows.dim() == 2
-            and quantizable(rows.shape[0], rows.shape[1]) and glu_epilogue_fits(module.weight))
 
 
 def takes_pending_input(module: object, x: torch.Tensor) -> bool:

@@ -130,20 +130,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
-    def forward(self, x, quantize: bool = False, glu_epilogue: bool = False, quant_glu: bool = False
-                ) -> torch.Tensor:
+    def forward(self, x, quantize: bool = False, glu_epilogue: bool = False) -> torch.Tensor:
         """``quantize`` (GPU): the activation kernel also quantizes its output for ``down``;
         ``glu_epilogue`` (GPU, fusion of that name): a dense gate|up projection running one
         row through its matrix-vector kernel applies the activation to its own output
-        (``CudaDenseLinear.forward_glu``; no activation kernel, same bits); ``quant_glu``
-        (GPU, fusion of that name, with ``quantize``): so does a packed one, quantizing for
-        ``down`` too (``CudaQuantLinear.forward_glu``). ``x`` may be a
+        (``CudaDenseLinear.forward_glu``; no activation kernel, same bits). ``x`` may be a
         ``triton_dense.PendingNorm``."""
-        if quant_glu and quantize:
-            from lodestar.kernels.triton_dense import SILU
-            from lodestar.layers.cuda_linear import takes_quant_glu
-            if takes_quant_glu(self.gate_up, x):
-                return self.down(self.gate_up.forward_glu(x, SILU))
         if glu_epilogue and not quantize:
             from lodestar.kernels.triton_dense import SILU
             from lodestar.layers.cuda_linear import takes_glu_epilogue
@@ -200,7 +192,7 @@ class LlamaBlock(nn.Module):
         else:
             h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp,
                                           prefetch=prefetch_arrays(self.mlp.gate_up, "gate_up"))
-        return h, self.mlp(y, quantize=q_down, glu_epilogue="glu_epilogue" in fuse, quant_glu="quant_glu" in fuse)
+        return h, self.mlp(y, quantize=q_down, glu_epilogue="glu_epilogue" in fuse)
 
 
 class LlamaModel(nn.Module):

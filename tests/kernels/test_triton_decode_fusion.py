@@ -269,33 +269,3 @@ def test_attention_decode_step_does_not_depend_on_attn_quant(kind, monkeypatch):
         assert _same_bits(k_cache, want[1]) and _same_bits(v_cache, want[2]), fuse
         fused = fuse in ("attn_quant", "1")
         assert (n_quant, o_input) == ((1, tq.QuantizedRows) if fused else (2, torch.Tensor)), fuse
-
-
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
-def test_mlp_step_does_not_depend_on_quant_glu(qtype, monkeypatch):
-    """The MLP of a decode step (gate|up, SiLU·mul, down) with ``quant_glu`` on and off: the
-    same bits out; with it on no gated-activation kernel runs (gate|up does it)."""
-    from lodestar.formats.synthetic import Geometry, SyntheticCheckpoint
-    from lodestar.kernels import triton_fused as tf
-    from lodestar.layers.cuda_linear import CudaQuantLinear, takes_quant_glu
-    from lodestar.models import llama
-    from lodestar.models.weights import WeightLoader
-    dev = kernel_device()
-    geo = Geometry("llama", 256, 1, 8, 2, 32, 96, 10000.0, tied=True, vocab=64, context=1024)
-    ck = SyntheticCheckpoint(geo, qtype, device=dev)
-    w = WeightLoader(ck, "packed", device=dev)
-    w.cuda = True
-    mlp = llama.LlamaMLP(llama.LlamaArgs.from_config(ck.config), w, 0).to(dev)
-    assert isinstance(mlp.gate_up, CudaQuantLinear) and isinstance(mlp.down, CudaQuantLinear)
-    g = torch.Generator().manual_seed(4)
-    x = (torch.randn(3, 256, generator=g) * 2).to(torch.bfloat16).to(dev)
-    xq = tf.rms_norm(x, (torch.rand(256, generator=g) + 0.5).to(dev), 1e-5, quantize=True)
-    assert takes_quant_glu(mlp.gate_up, xq) and takes_quant_glu(mlp.gate_up, xq.x)
-    calls = []
-    silu_mul = tf.silu_mul
-    monkeypatch.setattr(tf, "silu_mul", lambda *a, **k: calls.append(1) or silu_mul(*a, **k))
-    plain = mlp(xq, quantize=True, glu_epilogue=True)
-    assert len(calls) == 1
-    for rows in (xq, xq.x):
-        fused = mlp(rows, quantize=True, glu_epilogue=True, quant_glu=True)
-        assert _same_bits(fused, plain) and len(calls) == 1

@@ -227,31 +227,3 @@ def test_graph_buffers_grow_and_keep_the_old_ones():
     assert first.numel() == 8 and tq.graph_buffers(cache, "cpu", 8, 8, torch.Tensor.numel, make, "x") is first
     grown = tq.graph_buffers(cache, "cpu", 9, 8, torch.Tensor.numel, make, "x")
     assert grown.numel() == 16 and cache[torch.device("cpu")] == [first, grown]
-
-
-@pytest.mark.parametrize("qtype,block_n", [pytest.param(tq.T.Q4_0, 8, id="Q4_0-bn8"),
-                                           pytest.param(tq.T.Q4_K, 16, id="Q4_K-bn16"),
-                                           pytest.param(tq.T.Q6_K, 32, id="Q6_K-bn32")])
-@pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu"])
-def test_gated_activation_epilogue_gives_the_activation_kernels_bits(qtype, block_n, act):
-    """``quant_matmul_glu`` (the last program of each 32-unit chunk applies the activation and
-    quantizes) against the product, then the gated-activation kernel with quantize=True:
-    the same bits, for one row and several, twice (the counters are back at 0)."""
-    from lodestar.kernels import triton_fused as tf
-    dev = kernel_device()
-    f, k = 96, 512
-    data = random_gguf(qtype, 2 * f, k, seed=23)
-    pw = tq.pack(qtype, data.to(dev), 2 * f, k)
-    cfg = tq.GemvConfig(block_n=block_n, tile_groups=16, split_k=1, num_warps=2, words=True)
-    assert tq.glu_epilogue_fits(pw, cfg)
-    assert not tq.glu_epilogue_fits(pw, tq.GemvConfig(16, 16, 2, 2, words=True))
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(act)).to(torch.bfloat16).to(dev)
-    fn = tf.silu_mul if act == 0 else tf.gelu_tanh_mul
-    for rows in (x[:1], x, x[1:]):
-        gu = tq.quant_matmul(rows, pw, torch.bfloat16, config=cfg)
-        want = fn(gu[:, :f], gu[:, f:], quantize=True)
-        for _ in range(2):
-            got = tq.quant_matmul_glu(rows, pw, act, config=cfg)
-            for a, b in ((got.x, want.x), (got.words, want.words), (got.d1, want.d1), (got.sums, want.sums)):
-                assert torch.equal(a, b)
-    assert not pw.tile_counters.any()
