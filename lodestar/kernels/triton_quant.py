@@ -541,6 +541,20 @@ def _ptr_args(pw: PackedWeight) -> list[torch.Tensor]:
             pw.m if pw.m is not None else pw.d]
 
 
+def gemv_early() -> bool:
+    """Whether the word-tile matrix-vector kernel loads its first tile's code words before it
+    waits for the previous kernel (env ``LODESTAR_GEMV_EARLY``, 0 or 1; read at each call):
+    under dependent launch its programs are resident while that kernel runs, so the first
+    weight read overlaps it. Same bits either way."""
+    env = os.environ.get("LODESTAR_GEMV_EARLY", GEMV_EARLY_DEFAULT).strip() or GEMV_EARLY_DEFAULT
+    if env not in ("0", "1"):
+        raise ValueError(f"LODESTAR_GEMV_EARLY={env!r}; use 0 or 1")
+    return env == "1"
+
+
+GEMV_EARLY_DEFAULT = "0"
+
+
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """bf16 ``x [M, K]`` -> int8 terms packed as int32 words ``[M, K/32, 2, 8]``, ``d1 [M, K/32]``
     and the exact fp32 sums of each 16-element half ``[M, K/32, 2]``.
@@ -733,7 +747,7 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
                                  M * pw.n, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
                                  GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
                                  ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll, EVEN=even,
-                                 num_warps=cfg.num_warps, **pdl())
+                                 EARLY=gemv_early(), num_warps=cfg.num_warps, **pdl())
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -1117,9 +1131,26 @@ if triton_enabled():
                     stride_om, stride_split, SPLIT, LAST_SUMS)
 
     @triton.jit
+    def _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
+                     QTYPE: tl.constexpr, TG: tl.constexpr, EVEN: tl.constexpr):
+        """The code words ``_words_tile`` reads for the tile of groups ``g0 ..`` (weights only:
+        a caller may load them before it waits for the previous kernel)."""
+        G: tl.constexpr = K // 32
+        WPG: tl.constexpr = 8 if QTYPE == 8 else 4
+        TW: tl.constexpr = TG * WPG
+        c = tl.arange(0, TW)
+        gl = c // WPG
+        offs_w = rows[:, None] * (G * WPG) + (g0 * WPG + c)[None, :]            # [BN, TW] word index
+        if EVEN:
+            return tl.load(codes_ptr + offs_w)
+        mask_c = (g0 + gl < G) & (t + gl < GROUPS_PER_SPLIT)
+        return tl.load(codes_ptr + offs_w, mask=mask_n[:, None] & mask_c[None, :], other=0)
+
+    @triton.jit
     def _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                     pid_m, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
-                    QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+                    QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+                    GIVEN: tl.constexpr = False, w_given=0):
         """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, HG] fp32 array of
         products (HG = TG, or 2*TG half groups of 16 weights for Q8_0, whose groups span 8
         words). The tile is held as [BN, TG*WPG] code words (WPG words a group, each thread
@@ -1127,7 +1158,8 @@ if triton_enabled():
         products share one register layout; the two x terms combine exactly in int32
         (``254*i1 + i2``, then one conversion: ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``). Q5_K
         and Q6_K merge their high bits into the 4-bit codes per word, as ``_tile_acc`` does;
-        Q6_K keeps the two 16-weight halves (low and high nibbles) apart for their scales."""
+        Q6_K keeps the two 16-weight halves (low and high nibbles) apart for their scales.
+        GIVEN: the code words are ``w_given`` (``_words_codes``, loaded earlier)."""
         G: tl.constexpr = K // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
@@ -1137,11 +1169,10 @@ if triton_enabled():
         j = c % WPG
         gl = c // WPG
         mask_c = (g0 + gl < G) & (t + gl < GROUPS_PER_SPLIT)                   # [TW]
-        offs_w = rows[:, None] * (G * WPG) + (g0 * WPG + c)[None, :]            # [BN, TW] word index
-        if EVEN:
-            w = tl.load(codes_ptr + offs_w)
+        if GIVEN:
+            w = w_given
         else:
-            w = tl.load(codes_ptr + offs_w, mask=mask_n[:, None] & mask_c[None, :], other=0)
+            w = _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
         xrow = (pid_m.to(tl.int64) * G + g0 + gl) * 16                        # [TW]
         # 4 words in a row; masked groups point at the buffer's first words (never past its end)
         if EVEN:
@@ -1276,10 +1307,10 @@ if triton_enabled():
                            K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                            GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
                            ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
-                           PDL: tl.constexpr):
+                           EARLY: tl.constexpr, PDL: tl.constexpr):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
-        partial row block or tile (every mask is true, so none is applied)."""
-        _pdl_enter(PDL)
+        partial row block or tile (every mask is true, so none is applied). EARLY: the first
+        tile's code words are loaded before the wait for the previous kernel (weights only)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -1289,16 +1320,24 @@ if triton_enabled():
         HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
         acc = tl.zeros((BLOCK_N, HG), dtype=tl.float32)
         g_start = pid_s * GROUPS_PER_SPLIT
+        FIRST: tl.constexpr = TG if EARLY else 0      # tiles before it: done before the loop
+        if EARLY:
+            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+            _pdl_enter(PDL)
+            acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                               pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0)
+        else:
+            _pdl_enter(PDL)
         if UNROLL:
-            for t in tl.static_range(0, GROUPS_PER_SPLIT, TG):
+            for t in tl.static_range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         elif STAGES > 0:
-            for t in tl.range(0, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
+            for t in tl.range(FIRST, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         else:
-            for t in range(0, GROUPS_PER_SPLIT, TG):
+            for t in range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,

@@ -227,3 +227,25 @@ def test_graph_buffers_grow_and_keep_the_old_ones():
     assert first.numel() == 8 and tq.graph_buffers(cache, "cpu", 8, 8, torch.Tensor.numel, make, "x") is first
     grown = tq.graph_buffers(cache, "cpu", 9, 8, torch.Tensor.numel, make, "x")
     assert grown.numel() == 16 and cache[torch.device("cpu")] == [first, grown]
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE])
+def test_first_tile_loaded_before_the_wait_gives_the_same_bits(qtype, monkeypatch):
+    """``LODESTAR_GEMV_EARLY=1`` (the first tile's code words loaded before the kernel waits
+    for the previous one) against 0: the same bits, with one tile per split, several, a
+    partial last tile and a partial row block."""
+    dev = kernel_device()
+    n, k = 72, 2048 + 256
+    data = random_gguf(qtype, n, k, seed=29)
+    pw = tq.pack(qtype, data.to(dev), n, k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(dev)
+    for cfg in (tq.GemvConfig(16, 32, 1, 4, words=True), tq.GemvConfig(8, 16, 3, 2, unroll=True, words=True),
+                tq.GemvConfig(16, 32, 4, 4, words=True)):
+        got = {}
+        for early in ("0", "1"):
+            monkeypatch.setenv("LODESTAR_GEMV_EARLY", early)
+            got[early] = tq.quant_matmul(x, pw, torch.float32, config=cfg)
+        assert torch.equal(got["0"].view(torch.int32), got["1"].view(torch.int32)), cfg
+    monkeypatch.setenv("LODESTAR_GEMV_EARLY", "yes")
+    with pytest.raises(ValueError, match="LODESTAR_GEMV_EARLY"):
+        tq.gemv_early()
