@@ -248,4 +248,14 @@ def test_first_tile_loaded_before_the_wait_gives_the_same_bits(qtype, monkeypatc
         assert torch.equal(got["0"].view(torch.int32), got["1"].view(torch.int32)), cfg
     monkeypatch.setenv("LODESTAR_GEMV_EARLY", "yes")
     with pytest.raises(ValueError, match="LODESTAR_GEMV_EARLY"):
-        tq.gemv_early()
+        tq.gemv_early(n, k)
+
+
+def test_first_tile_early_by_default_for_small_weights_only(monkeypatch):
+    monkeypatch.delenv("LODESTAR_GEMV_EARLY", raising=False)
+    assert tq.gemv_early(3072, 576) and tq.gemv_early(2048, 2048)          # SmolLM2 gate|up, 1B o
+    assert not tq.gemv_early(4096, 4096) and not tq.gemv_early(49152, 576)  # 8B o, SmolLM2 head
+    monkeypatch.setenv("LODESTAR_GEMV_EARLY", "0")
+    assert not tq.gemv_early(64, 64)
+    monkeypatch.setenv("LODESTAR_GEMV_EARLY", "1")
+    assert tq.gemv_early(4096, 14336)
