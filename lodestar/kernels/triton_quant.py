@@ -545,19 +545,22 @@ def gemv_early(n: int, k: int) -> bool:
     """Whether the word-tile matrix-vector kernel over an [n, k] weight loads its first tile's
     code words before it waits for the previous kernel (under dependent launch its programs
     are resident while that kernel runs, so the first weight read overlaps it; same bits
-    either way). Env ``LODESTAR_GEMV_EARLY``: 1 always, 0 never, unset: for weights of at
-    most ``GEMV_EARLY_MAX_WEIGHTS`` (read at each call).
+    either way). Env ``LODESTAR_GEMV_EARLY``: 1 always, 0 never, unset: for rows of at most
+    ``GEMV_EARLY_MAX_K`` weights (a program's row slice is then one or two tiles, so the
+    early read is most of its work; read at each call).
 
     H200 run 36 (same tokens, one-stream decode, every weight early against none):
-    SmolLM2-135M Q4_0 1,602.5 -> 1,733.4 tok/s, but 8B Q4_0 515.6 -> 499.6 and Q4_K 509.2
-    -> 489.1 (weights of 16.8M and more)."""
+    SmolLM2-135M Q4_0 (k 576 and 1,536) 1,602.5 -> 1,733.4 tok/s, but 8B Q4_0 (k 4,096 and
+    14,336) 515.6 -> 499.6 and Q4_K 509.2 -> 489.1. The default gives each of those files
+    the faster side; shapes in between (Llama-3.2-1B: k 2,048 early, its 8,192-wide down
+    not) were not timed."""
     env = os.environ.get("LODESTAR_GEMV_EARLY", "").strip()
     if env not in ("", "0", "1"):
-        raise ValueError(f"LODESTAR_GEMV_EARLY={env!r}; use 0 or 1 (unset: small weights only)")
-    return env == "1" or (env == "" and n * k <= GEMV_EARLY_MAX_WEIGHTS)
+        raise ValueError(f"LODESTAR_GEMV_EARLY={env!r}; use 0 or 1 (unset: short rows only)")
+    return env == "1" or (env == "" and k <= GEMV_EARLY_MAX_K)
 
 
-GEMV_EARLY_MAX_WEIGHTS = 4 << 20
+GEMV_EARLY_MAX_K = 2048
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
