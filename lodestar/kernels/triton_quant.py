@@ -710,6 +710,8 @@ def prefetch_launch(arrays: list[torch.Tensor] | None, rows: int, programs_per_r
     key = (ranges, limit, programs_per_row, lanes, form)
     args = _PREFETCH_ARGS.get(key)
     if args is None:
+        if len(_PREFETCH_ARGS) >= 4096:     # models loaded and dropped in one process
+            _PREFETCH_ARGS.clear()
         args = _PREFETCH_ARGS[key] = prefetch_plan(list(ranges), limit, _num_sms(arrays[0].device),
                                                    programs_per_row, lanes, form)
     return (args[0], args[1:], form) if any(args[1:]) else (0, _NO_PREFETCH, 0)
