@@ -251,9 +251,7 @@ if triton_enabled():
         (``triton_quant.prefetch_launch``)."""
         if PF:
             if tl.program_id(0) >= ROWS:
-                _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
-                                 (tl.num_programs(0) - ROWS) * tl.num_programs(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
+                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
             else:
                 _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                               B, sx0, sx1, sr0, sr1, eps, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT, PDL)
@@ -330,9 +328,7 @@ if triton_enabled():
         """Token ``program_id(0)``, kv head group ``program_id(1)``; PF as ``_rms_norm_kernel``."""
         if PF:
             if tl.program_id(0) >= ROWS:
-                _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
-                                 (tl.num_programs(0) - ROWS) * tl.num_programs(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
+                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
             else:
                 _rope_token(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
                             v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
@@ -378,9 +374,7 @@ if triton_enabled():
         """Token ``program_id(0)``, columns ``BLOCK * program_id(1) ..``; PF as ``_rms_norm_kernel``."""
         if PF:
             if tl.program_id(0) >= ROWS:
-                _weight_prefetch((tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1),
-                                 (tl.num_programs(0) - ROWS) * tl.num_programs(1),
-                                 a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
+                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
             else:
                 _glu_block(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd, ACT, BLOCK, QUANT, PDL)
         else:

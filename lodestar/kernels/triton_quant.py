@@ -1383,11 +1383,14 @@ if triton_enabled():
                 "=r,l,r", [addr + tl.where(ok, off, 0), ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _weight_prefetch(i, programs, a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES: tl.constexpr, FORM: tl.constexpr,
+    def _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES: tl.constexpr, FORM: tl.constexpr,
                          WAIT: tl.constexpr, PDL: tl.constexpr):
-        """Prefetch program ``i`` of ``programs``: its share of up to three ranges
-        (``prefetch_launch``'s arguments: address, bytes, step each; bytes 0: none) in the
-        form ``FORM`` (``PREFETCH_FORMS``), after the previous kernel ended with ``WAIT``."""
+        """A prefetching program of a 2-D grid whose rows ``ROWS ..`` prefetch
+        (``prefetch_launch``): its share of up to three ranges (address, bytes, step each;
+        bytes 0: none) in the form ``FORM`` (``PREFETCH_FORMS``), after the previous kernel
+        ended with ``WAIT``."""
+        i = (tl.program_id(0) - ROWS) * tl.num_programs(1) + tl.program_id(1)
+        programs = (tl.num_programs(0) - ROWS) * tl.num_programs(1)
         if WAIT:
             _pdl_enter(PDL)
         lane = i * LANES + tl.arange(0, LANES)
