@@ -79,7 +79,7 @@ Kernels (reference in brackets, same module):
 
 Decode fusions (``fusions()``, env ``LODESTAR_FUSE``: unset or ``1`` all, ``0`` none, or a
 comma list of ``quant``, ``split_sum``, ``residual``, ``dense_norm``, ``attn_rope``,
-``attn_reduce``, ``attn_quant``, ``glu_epilogue``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
+``attn_reduce``, ``attn_quant``, ``glu_epilogue``, ``qkv_rope``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
 
 ``import triton`` happens only when CUDA is available or ``TRITON_INTERPRET=1`` (the
 interpreter runs the same kernels on CPU tensors, which is how the tests exercise them
@@ -152,7 +152,7 @@ _PDL_DEVICE: bool | None = None
 
 
 FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "attn_quant",
-           "glu_epilogue")
+           "glu_epilogue", "qkv_rope")
 # On unless LODESTAR_FUSE says otherwise. attn_rope and attn_reduce are left out: the H200
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
@@ -181,7 +181,9 @@ def fusions() -> frozenset[str]:
     the decode-attention reduce also emits the quantized x of the output projection (no
     separate x quantization before it);
     ``glu_epilogue``: a one-row dense gate|up projection applies the gated activation to its
-    own output (no separate SiLU·mul kernel)."""
+    own output (no separate SiLU·mul kernel); ``qkv_rope``: a packed q|k|v projection on the
+    word-tile kernel rotates q and k and stores k and v at the token's KV slot itself
+    (``quant_matmul(rope=...)``; no separate RoPE + KV-store kernel)."""
     env = os.environ.get("LODESTAR_FUSE", "").strip()
     if env in ("", "default"):
         return frozenset(DEFAULT_FUSIONS)
@@ -545,7 +547,8 @@ def gemv_early(n: int, k: int) -> bool:
     """Whether the word-tile matrix-vector kernel over an [n, k] weight loads its first tile's
     code words before it waits for the previous kernel (under dependent launch its programs
     are resident while that kernel runs, so the first weight read overlaps it; same bits
-    either way). Env ``LODESTAR_GEMV_EARLY``: 1 always, 0 never, unset: for rows of at most
+    either way). Env ``LODESTAR_GEMV_EARLY``: 1 always, 0 never, a comma list of shapes
+    ``NxK`` (those weights only, e.g. ``4096x4096,6144x4096``), unset: for rows of at most
     ``GEMV_EARLY_MAX_K`` weights (a program's row slice is then one or two tiles, so the
     early read is most of its work; read at each call).
 
@@ -555,11 +558,28 @@ def gemv_early(n: int, k: int) -> bool:
     the faster side; shapes in between (Llama-3.2-1B: k 2,048 early, its 8,192-wide down
     not) were not timed."""
     env = os.environ.get("LODESTAR_GEMV_EARLY", "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"LODESTAR_GEMV_EARLY={env!r}; use 0 or 1 (unset: short rows only)")
-    return env == "1" or (env == "" and k <= GEMV_EARLY_MAX_K)
+    if env in ("", "0", "1"):
+        return env == "1" or (env == "" and k <= GEMV_EARLY_MAX_K)
+    return (n, k) in _early_shapes(env)
 
 
+def _early_shapes(text: str) -> frozenset[tuple[int, int]]:
+    """``NxK[,NxK...]`` of ``LODESTAR_GEMV_EARLY`` as (n, k) pairs."""
+    shapes = _EARLY_SHAPES.get(text)
+    if shapes is None:
+        try:
+            shapes = frozenset(tuple(int(v) for v in part.lower().split("x")) for part in text.split(",")
+                               if part.strip())
+        except ValueError:
+            shapes = frozenset({(0, 0, 0)})
+        if not shapes or any(len(s) != 2 for s in shapes):
+            raise ValueError(f"LODESTAR_GEMV_EARLY={text!r}; use 0, 1 or a comma list of weight shapes NxK "
+                             f"(unset: short rows only)")
+        _EARLY_SHAPES[text] = shapes
+    return shapes
+
+
+_EARLY_SHAPES: dict[str, frozenset] = {}
 GEMV_EARLY_MAX_K = 2048
 
 
@@ -724,12 +744,45 @@ def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
     return c
 
 
+@dataclass
+class RopeStore:
+    """Step inputs with which a q|k|v projection's kernel rotates q and k and stores k and v
+    itself (fusion ``qkv_rope``, ``quant_matmul(rope=...)``): per token ``positions`` and KV
+    ``slots`` [M]; fp32 ``cos``/``sin`` tables [positions, head_dim] (``RotaryEmbedding``'s,
+    each row ``[c(f), c(f)]``); caches [slots, kv heads, head_dim]; the weight's rows are
+    ``n_q`` of q, then ``n_k`` of k, then ``n_k`` of v."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    n_q: int
+    n_k: int
+    head_dim: int
+
+
+def rope_epilogue_ok(pw: PackedWeight, rows: int, head_dim: int, n_q: int, n_k: int,
+                     config: GemvConfig | None = None) -> bool:
+    """Whether ``quant_matmul(rope=...)`` can run for ``rows`` tokens over ``pw``: the word-tile
+    kernel, tiles of whole rotation pairs (an even ``block_n`` dividing the head dim), a
+    q|k|v weight of ``n_q + 2 * n_k`` rows."""
+    if not 0 < rows <= SMALL_M_MAX or pw.k % GROUP or pw.n != n_q + 2 * n_k or n_q % head_dim or n_k % head_dim:
+        return False
+    cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
+    return (cfg.words and pw.qtype in WORDS_CAPABLE and cfg.block_n % 2 == 0 and head_dim % cfg.block_n == 0)
+
+
 def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: torch.dtype | None = None,
-                 config: GemvConfig | None = None) -> torch.Tensor:
+                 config: GemvConfig | None = None, rope: RopeStore | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
 
     ``x`` may come quantized already (``QuantizedRows``). ``config`` replaces
-    ``gemv_config(N, K)`` (tests and tuning)."""
+    ``gemv_config(N, K)`` (tests and tuning). ``rope`` (fusion ``qkv_rope``, when
+    ``rope_epilogue_ok``): the q and k columns of the result come out rotated at each row's
+    position and k and v are also stored at each row's slot: the bits of this product, then
+    ``triton_fused.rope_`` with the KV store."""
     M, K = x.shape
     if K != pw.k:
         raise ValueError(f"x has {K} features, weight expects {pw.k}")
@@ -751,13 +804,27 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
     # sized for SMALL_M_MAX rows at once, so that later calls with more rows reuse it
     counters = _tile_counters(pw, max(M, SMALL_M_MAX) * n_blocks) if fused_sum else d1   # d1: never read
     codes = pw.codes.view(torch.int32)
+    if rope is not None:
+        if not rope_epilogue_ok(pw, M, rope.head_dim, rope.n_q, rope.n_k, cfg):
+            raise ValueError(f"quant_matmul(rope=...): {pw.qtype.name} [{pw.n}, {pw.k}] with {cfg} cannot rotate "
+                             f"heads of {rope.head_dim} (see rope_epilogue_ok)")
+        if not fused_sum and cfg.split_k > 1:
+            raise ValueError("quant_matmul(rope=...) with K splits needs the fusion split_sum")
+        r = rope
+        rope_args = (r.positions, r.slots, r.cos, r.sin, r.k_cache, r.v_cache, r.cos.stride(0),
+                     r.k_cache.stride(0), r.k_cache.stride(1), r.v_cache.stride(0), r.v_cache.stride(1))
+        rope_c = dict(ROPE=True, NQ=r.n_q, NK=r.n_k, HD=r.head_dim)
+    else:
+        rope_args = (d1,) * 6 + (0,) * 5        # never read
+        rope_c = dict(ROPE=False, NQ=0, NK=0, HD=0)
     if cfg.words and pw.qtype in WORDS_CAPABLE:
         even = pw.n % cfg.block_n == 0 and per_split % cfg.tile_groups == 0 and per_split * cfg.split_k == groups
         _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
-                                 M * pw.n, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
-                                 GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
-                                 ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll, EVEN=even,
-                                 EARLY=gemv_early(pw.n, pw.k), num_warps=cfg.num_warps, **pdl())
+                                 M * pw.n, *rope_args, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n,
+                                 TG=cfg.tile_groups, GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k,
+                                 LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
+                                 EVEN=even, EARLY=gemv_early(pw.n, pw.k), **rope_c, num_warps=cfg.num_warps,
+                                 **pdl())
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -1055,13 +1122,20 @@ if triton_enabled():
 
     @triton.jit
     def _store_rows(y, part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n, stride_om, stride_split,
-                    SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr):
+                    SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, ROPE: tl.constexpr = False, pos_ptr=0,
+                    slot_ptr=0, cos_ptr=0, sin_ptr=0, kc_ptr=0, vc_ptr=0, s_cos=0, skc0=0, skc1=0, svc0=0, svc1=0,
+                    NQ: tl.constexpr = 0, NK: tl.constexpr = 0, HD: tl.constexpr = 0):
         """Store a program's row sums ``y [BN]``: into ``out`` (one split), else into its split's
         fp32 partials; with LAST_SUMS the last of the tile's SPLIT programs to arrive adds the
-        partials in split order into ``out`` and puts the tile's counter back to 0."""
+        partials in split order into ``out`` and puts the tile's counter back to 0. ROPE: the
+        final sums go through ``_rope_store`` (rows in ``_rope_rows`` order)."""
         row_offs = pid_m.to(tl.int64) * stride_om + offs_n
         if SPLIT == 1:
-            tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+            if ROPE:
+                _rope_store(y, out_ptr, pid_m, pid_n, stride_om, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
+                            s_cos, skc0, skc1, svc0, svc1, NQ, NK, HD)
+            else:
+                tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
         else:
             tl.store(part_ptr + pid_s * stride_split + row_offs, y, mask=mask_n)
             if LAST_SUMS:
@@ -1076,8 +1150,59 @@ if triton_enabled():
                     for s in tl.static_range(1, SPLIT):
                         total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
                                          cache_modifier=".cg")
-                    tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+                    if ROPE:
+                        _rope_store(total, out_ptr, pid_m, pid_n, stride_om, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+                                    kc_ptr, vc_ptr, s_cos, skc0, skc1, svc0, svc1, NQ, NK, HD)
+                    else:
+                        tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
                     tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _rope_rows(pid_n, BLOCK_N: tl.constexpr, HD: tl.constexpr):
+        """Rows of q|k|v program ``pid_n`` under the fusion ``qkv_rope``: BLOCK_N/2 dims of one
+        head and their rotate-half partners (``d``, then ``d + HD/2``), so that the program that
+        writes the tile holds both halves of every rotation it applies."""
+        H2: tl.constexpr = BLOCK_N // 2
+        n0 = pid_n * BLOCK_N
+        i = tl.arange(0, BLOCK_N)
+        return (n0 // HD) * HD + (n0 % HD) // 2 + (i % H2) + (i // H2) * (HD // 2)
+
+    @triton.jit
+    def _rope_store(y, out_ptr, pid_m, pid_n, stride_om, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
+                    s_cos, skc0, skc1, svc0, svc1, NQ: tl.constexpr, NK: tl.constexpr, HD: tl.constexpr):
+        """Final sums ``y [BN]`` of a q|k|v tile in ``_rope_rows`` order, rounded to ``out``'s
+        dtype; q and k rows rotated at token ``pid_m``'s position with the bits of
+        ``triton_fused._rope_rows`` (``fma(f1, c, -(f2 * s))``, ``fma(f2, c, f1 * s)``, written
+        out as ``triton_attention._rope_cols`` does), written to ``out``; k and v rows also
+        stored at the token's slot of the caches ``[slots, heads, HD]``."""
+        BN: tl.constexpr = y.shape[0]
+        H2: tl.constexpr = BN // 2
+        yb = y.to(out_ptr.dtype.element_ty)
+        a, b = tl.split(tl.permute(tl.reshape(yb, (2, H2)), (1, 0)))     # dims d0 + j, d0 + HD/2 + j
+        n0 = pid_n * BN
+        d0 = (n0 % HD) // 2
+        j = tl.arange(0, H2)
+        row = pid_m.to(tl.int64) * stride_om + (n0 // HD) * HD + d0 + j
+        if n0 < NQ + NK:
+            pos = tl.load(pos_ptr + pid_m).to(tl.int64)
+            c = tl.load(cos_ptr + pos * s_cos + d0 + j)
+            s = tl.load(sin_ptr + pos * s_cos + d0 + j)
+            af = a.to(tl.float32)
+            bf = b.to(tl.float32)
+            a = tl.fma(af, c, (bf * s) * -1.0).to(yb.dtype)
+            b = tl.fma(bf, c, af * s).to(yb.dtype)
+        tl.store(out_ptr + row, a)
+        tl.store(out_ptr + row + HD // 2, b)
+        if n0 >= NQ:
+            slot = tl.load(slot_ptr + pid_m).to(tl.int64)
+            if n0 < NQ + NK:
+                dst = kc_ptr + slot * skc0 + ((n0 - NQ) // HD) * skc1 + d0 + j
+                tl.store(dst, a.to(kc_ptr.dtype.element_ty))
+                tl.store(dst + HD // 2, b.to(kc_ptr.dtype.element_ty))
+            else:
+                dst = vc_ptr + slot * svc0 + ((n0 - NQ - NK) // HD) * svc1 + d0 + j
+                tl.store(dst, a.to(vc_ptr.dtype.element_ty))
+                tl.store(dst + HD // 2, b.to(vc_ptr.dtype.element_ty))
 
     @triton.jit
     def _gemv_kernel(xw_ptr, d1_ptr, xsum_ptr, part_ptr, out_ptr, count_ptr, codes_ptr, high_ptr, d_ptr,
@@ -1314,17 +1439,24 @@ if triton_enabled():
     @triton.jit
     def _gemv_words_kernel(xw_ptr, d1_ptr, xsum_ptr, part_ptr, out_ptr, count_ptr, codes_ptr, high_ptr, d_ptr,
                            dmin_ptr, sc_ptr, m_ptr, N, stride_om, stride_split,
+                           pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, s_cos, skc0, skc1, svc0, svc1,
                            K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                            GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
                            ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
-                           EARLY: tl.constexpr, PDL: tl.constexpr):
+                           EARLY: tl.constexpr, ROPE: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr,
+                           HD: tl.constexpr, PDL: tl.constexpr):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied). EARLY: the first
-        tile's code words are loaded before the wait for the previous kernel (weights only)."""
+        tile's code words are loaded before the wait for the previous kernel (weights only).
+        ROPE (fusion ``qkv_rope``; a q|k|v weight of NQ + 2 * NK rows, heads of HD): program
+        rows in ``_rope_rows`` order, final sums through ``_rope_store``."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROPE:
+            offs_n = _rope_rows(pid_n, BLOCK_N, HD)
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rows = offs_n.to(tl.int64)
         HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
@@ -1351,7 +1483,8 @@ if triton_enabled():
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
-                    stride_om, stride_split, SPLIT, LAST_SUMS)
+                    stride_om, stride_split, SPLIT, LAST_SUMS, ROPE, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr,
+                    vc_ptr, s_cos, skc0, skc1, svc0, svc1, NQ, NK, HD)
 
     @triton.jit
     def _prefetch_l2(ptrs):

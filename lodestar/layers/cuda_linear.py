@@ -91,6 +91,24 @@ class CudaQuantLinear(nn.Module):
         y = self._tq.matmul(x2, self.weight, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def rope_store(self, x, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_k: int, head_dim: int):
+        """A ``triton_quant.RopeStore`` with which ``forward_rope`` runs rows like ``x`` (this being a
+        q|k|v projection of ``n_q + 2 * n_k`` rows, heads of ``head_dim``, in the caches' dtype),
+        or None when the kernel cannot (fusion ``qkv_rope`` off, another tiling, too many rows)."""
+        tq = self._tq
+        dtype = x.x.dtype if isinstance(x, tq.QuantizedRows) else x.dtype
+        if ("qkv_rope" not in tq.fusions() or len(x.shape) != 2 or k_cache.dtype != dtype
+                or v_cache.dtype != dtype or self.out_dtype not in (None, dtype)
+                or not tq.rope_epilogue_ok(self.weight, x.shape[0], head_dim, n_q, n_k)):
+            return None
+        return tq.RopeStore(positions, slots, cos, sin, k_cache, v_cache, n_q, n_k, head_dim)
+
+    def forward_rope(self, x, rope) -> torch.Tensor:
+        """``forward`` whose kernel also rotates q and k and stores k and v (``rope``, from
+        ``rope_store``); returns the whole q|k|v output [rows, out_features]."""
+        return self._tq.quant_matmul(x, self.weight, self.out_dtype, rope=rope)
+
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, cuda"
 

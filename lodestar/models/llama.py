@@ -88,8 +88,25 @@ class LlamaAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def _rope_store(self, x, positions: torch.Tensor, batch: AttentionBatch):
+        """The q|k|v kernel's own RoPE + KV store (fusion ``qkv_rope``; ``CudaQuantLinear.rope_store``),
+        or None: not on the GPU, separate q/k/v, a bias or q/k norms (applied before the rotation),
+        a partial rotary dim."""
+        if (batch.gpu is None or self.qkv_bias is not None or self.q_norm is not None
+                or self.rope.rotary_dim != self.head_dim or not hasattr(self.qkv, "rope_store")):
+            return None
+        return self.qkv.rope_store(x, positions, batch.gpu.slot_mapping, self.rope.cos, self.rope.sin,
+                                   self.k_cache, self.v_cache, self.sizes[0], self.sizes[1], self.head_dim)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         T = x.shape[0]
+        rope = self._rope_store(x, positions, batch)
+        if rope is not None:    # rotated and stored by the projection's kernel
+            from lodestar.layers.cuda_linear import takes_quantized_input
+            q = self.qkv.forward_rope(x, rope)[:, :self.sizes[0]].view(T, self.n_heads, self.head_dim)
+            o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, None,
+                                takes_quantized_input(self.o))
+            return self.o(o.reshape(T, -1) if isinstance(o, torch.Tensor) else o)
         q, k, v = split_fused(self.qkv, x, self.sizes)
         if self.qkv_bias is not None:
             q, k, v = (t + b for t, b in zip((q, k, v), self.qkv_bias.split(self.sizes)))

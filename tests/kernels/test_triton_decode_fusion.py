@@ -241,7 +241,8 @@ def _attention_step(kind: str, dev: str):
 def test_attention_decode_step_does_not_depend_on_attn_quant(kind, monkeypatch):
     """A decode step through the attention layer (q|k|v, RoPE + KV store, attention, o) with
     ``attn_quant`` on and off, alone and with every other fusion (``attn_reduce``: the fused
-    combine quantizes; ``attn_rope``): the same bits out and in both caches; with it on the
+    combine quantizes; ``attn_rope``; ``qkv_rope``, alone too: the q|k|v kernel rotates and
+    stores, no RoPE kernel): the same bits out and in both caches; with ``attn_quant`` on the
     o projection gets the attention kernel's ``QuantizedRows`` (no ``quantize_x`` of its own)."""
     dev = kernel_device()
     attn, batch, kc, vc, x, positions = _attention_step(kind, dev)
@@ -252,16 +253,24 @@ def test_attention_decode_step_does_not_depend_on_attn_quant(kind, monkeypatch):
     o_forward = attn.o.forward
     monkeypatch.setattr(attn.o, "forward", lambda x: o_inputs.append(type(x)) or o_forward(x))
 
+    ropes = []
+    rope_ = tf.rope_
+    monkeypatch.setattr(tf, "rope_", lambda *a, **k: ropes.append(1) or rope_(*a, **k))
+
     def run(fuse: str):
         monkeypatch.setenv("LODESTAR_FUSE", fuse)
         calls.clear()
         o_inputs.clear()
+        ropes.clear()
         attn.k_cache, attn.v_cache = kc.clone(), vc.clone()
         out = attn(x, positions, batch)
+        # qkv_rope (Llama form; Gemma's q/k norms come before the rotation): no RoPE kernel
+        if fuse == "0" or kind == "llama" and "qkv_rope" in tq.fusions():
+            assert len(ropes) == (1 if fuse == "0" else 0), fuse
         return out, attn.k_cache, attn.v_cache, len(calls), o_inputs[0]
 
     everything_else = ",".join(n for n in tq.FUSIONS if n != "attn_quant")
-    runs = {fuse: run(fuse) for fuse in ("0", "attn_quant", everything_else, "1")}
+    runs = {fuse: run(fuse) for fuse in ("0", "attn_quant", everything_else, "1", "qkv_rope")}
     want = runs["0"]
     assert want[0].shape == (3, 256) and torch.isfinite(want[0].float()).all()
     for fuse, (out, k_cache, v_cache, n_quant, o_input) in runs.items():
@@ -269,3 +278,52 @@ def test_attention_decode_step_does_not_depend_on_attn_quant(kind, monkeypatch):
         assert _same_bits(k_cache, want[1]) and _same_bits(v_cache, want[2]), fuse
         fused = fuse in ("attn_quant", "1")
         assert (n_quant, o_input) == ((1, tq.QuantizedRows) if fused else (2, torch.Tensor)), fuse
+
+
+ROPE_TYPES = [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE]
+
+
+@pytest.mark.parametrize("qtype", ROPE_TYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_qkv_rope_epilogue_gives_the_bits_of_the_rope_kernel(qtype, head_dim, monkeypatch):
+    """``quant_matmul(rope=...)`` (fusion ``qkv_rope``): the q|k|v product with q and k rotated
+    and k, v stored at each row's slot by the matrix-vector kernel itself, against the product
+    then ``triton_fused.rope_`` with the KV store: the same bits in the output and both caches,
+    for one tile per split and several, K splits summed in the kernel, and tile rows of 16 and 8."""
+    dev = kernel_device()
+    monkeypatch.setenv("LODESTAR_FUSE", "1")
+    hq, hk, k = 4, 2, 256
+    n_q, n_k = hq * head_dim, hk * head_dim
+    n = n_q + 2 * n_k
+    pw = tq.pack(qtype, random_gguf(qtype, n, k, seed=31).to(dev), n, k)
+    from lodestar.layers.rotary import RotaryEmbedding
+    rope = RotaryEmbedding(head_dim, 10000.0, 2048).to(dev)
+    g = torch.Generator().manual_seed(4)
+    slots = 40
+    kc0 = torch.randn(slots, hk, head_dim, generator=g).to(torch.bfloat16).to(dev)
+    vc0 = torch.randn(slots, hk, head_dim, generator=g).to(torch.bfloat16).to(dev)
+    configs = [tq.GemvConfig(16, 4, 1, 4, words=True), tq.GemvConfig(8, 4, 2, 2, words=True)]
+    for cfg in configs:
+        assert tq.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, cfg)
+        for m in (1, 3):
+            x = _x(m, k, seed=m).to(dev)
+            positions = torch.tensor([5, 1900, 0][:m], dtype=torch.int64).to(dev)
+            slot_map = torch.tensor([7, 0, 39][:m], dtype=torch.int64).to(dev)
+            want = tq.quant_matmul(x, pw, config=cfg)
+            kw, vw = kc0.clone(), vc0.clone()
+            q, kk, v = (t.view(m, -1, head_dim) for t in want.split([n_q, n_k, n_k], dim=-1))
+            tf.rope_(q, kk, positions, rope.cos, rope.sin, head_dim, v=v, k_cache=kw, v_cache=vw, slots=slot_map)
+            kg, vg = kc0.clone(), vc0.clone()
+            got = tq.quant_matmul(x, pw, config=cfg, rope=tq.RopeStore(positions, slot_map, rope.cos, rope.sin, kg,
+                                                                        vg, n_q, n_k, head_dim))
+            assert _same_bits(got, want), (cfg, m)
+            assert _same_bits(kg, kw) and _same_bits(vg, vw), (cfg, m)
+            assert pw.tile_counters is None or not pw.tile_counters.any()
+    assert not tq.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, tq.GemvConfig(16, 16, 1, 4))         # group tiles
+    assert not tq.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, tq.GemvConfig(2 * head_dim, 8, 1, 4, words=True))
+    assert not tq.rope_epilogue_ok(pw, 3, head_dim, n_q + head_dim, n_k, configs[0])          # not q|k|v rows
+    assert not tq.rope_epilogue_ok(pw, tq.SMALL_M_MAX + 1, head_dim, n_q, n_k, configs[0])
+    with pytest.raises(ValueError, match="cannot rotate"):
+        tq.quant_matmul(_x(1, k, 0).to(dev), pw, config=tq.GemvConfig(16, 16, 1, 4),
+                        rope=tq.RopeStore(positions[:1], slot_map[:1], rope.cos, rope.sin, kc0, vc0, n_q, n_k,
+                                          head_dim))

@@ -259,3 +259,9 @@ def test_first_tile_early_by_default_for_short_rows_only(monkeypatch):
     assert not tq.gemv_early(64, 64)
     monkeypatch.setenv("LODESTAR_GEMV_EARLY", "1")
     assert tq.gemv_early(4096, 14336)
+    monkeypatch.setenv("LODESTAR_GEMV_EARLY", "4096x4096, 6144x4096")     # named weights only
+    assert tq.gemv_early(4096, 4096) and tq.gemv_early(6144, 4096) and not tq.gemv_early(4096, 14336)
+    for bad in ("4096", "4096x4096x2", "ax4096"):
+        monkeypatch.setenv("LODESTAR_GEMV_EARLY", bad)
+        with pytest.raises(ValueError, match="LODESTAR_GEMV_EARLY"):
+            tq.gemv_early(4096, 4096)
