@@ -548,18 +548,18 @@ def gemv_early(n: int, k: int) -> bool:
     code words before it waits for the previous kernel (under dependent launch its programs
     are resident while that kernel runs, so the first weight read overlaps it; same bits
     either way). Env ``LODESTAR_GEMV_EARLY``: 1 always, 0 never, a comma list of shapes
-    ``NxK`` (those weights only, e.g. ``4096x4096,6144x4096``), unset: for rows of at most
-    ``GEMV_EARLY_MAX_K`` weights (a program's row slice is then one or two tiles, so the
-    early read is most of its work; read at each call).
+    ``NxK`` (those weights only, e.g. ``4096x4096,6144x4096``), unset: weights with a side of
+    at most ``GEMV_EARLY_MAX_DIM`` (every projection has the model width as a side, so: models
+    up to 2,048 wide; read at each call).
 
-    H200 run 36 (same tokens, one-stream decode, every weight early against none):
-    SmolLM2-135M Q4_0 (k 576 and 1,536) 1,602.5 -> 1,733.4 tok/s, but 8B Q4_0 (k 4,096 and
-    14,336) 515.6 -> 499.6 and Q4_K 509.2 -> 489.1. The default gives each of those files
-    the faster side; shapes in between (Llama-3.2-1B: k 2,048 early, its 8,192-wide down
-    not) were not timed."""
+    H200, one-stream decode, same tokens on every side. Run 36, every weight early against
+    none: SmolLM2-135M Q4_0 (width 576) 1,602.5 -> 1,733.4 tok/s, 8B Q4_0 (4,096) 515.6 ->
+    499.6, Q4_K 509.2 -> 489.1. Run 37: Llama-3.2-1B Q4_0 (2,048) none 1,611.6, rows of up
+    to 2,048 weights (the rule before: all but down) 1,653.4, every weight 1,726.7; 8B Q4_0
+    none 517.1, every weight 500.5, q|k|v and o only 515.2, down only 511.1."""
     env = os.environ.get("LODESTAR_GEMV_EARLY", "").strip()
     if env in ("", "0", "1"):
-        return env == "1" or (env == "" and k <= GEMV_EARLY_MAX_K)
+        return env == "1" or (env == "" and min(n, k) <= GEMV_EARLY_MAX_DIM)
     return (n, k) in _early_shapes(env)
 
 
@@ -574,13 +574,13 @@ def _early_shapes(text: str) -> frozenset[tuple[int, int]]:
             shapes = frozenset({(0, 0, 0)})
         if not shapes or any(len(s) != 2 for s in shapes):
             raise ValueError(f"LODESTAR_GEMV_EARLY={text!r}; use 0, 1 or a comma list of weight shapes NxK "
-                             f"(unset: short rows only)")
+                             f"(unset: weights with a side of at most 2,048)")
         _EARLY_SHAPES[text] = shapes
     return shapes
 
 
 _EARLY_SHAPES: dict[str, frozenset] = {}
-GEMV_EARLY_MAX_K = 2048
+GEMV_EARLY_MAX_DIM = 2048
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1122,18 +1122,19 @@ if triton_enabled():
 
     @triton.jit
     def _store_rows(y, part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n, stride_om, stride_split,
-                    SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, ROPE: tl.constexpr = False, pos_ptr=0,
-                    slot_ptr=0, cos_ptr=0, sin_ptr=0, kc_ptr=0, vc_ptr=0, s_cos=0, skc0=0, skc1=0, svc0=0, svc1=0,
+                    SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, ROPE: tl.constexpr = False, rc=0, rs=0,
+                    slot=0, kc_ptr=0, vc_ptr=0, skc0=0, skc1=0, svc0=0, svc1=0,
                     NQ: tl.constexpr = 0, NK: tl.constexpr = 0, HD: tl.constexpr = 0):
         """Store a program's row sums ``y [BN]``: into ``out`` (one split), else into its split's
         fp32 partials; with LAST_SUMS the last of the tile's SPLIT programs to arrive adds the
         partials in split order into ``out`` and puts the tile's counter back to 0. ROPE: the
-        final sums go through ``_rope_store`` (rows in ``_rope_rows`` order)."""
+        final sums go through ``_rope_store`` (rows in ``_rope_rows`` order; ``rc``, ``rs``,
+        ``slot`` from ``_rope_inputs``)."""
         row_offs = pid_m.to(tl.int64) * stride_om + offs_n
         if SPLIT == 1:
             if ROPE:
-                _rope_store(y, out_ptr, pid_m, pid_n, stride_om, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                            s_cos, skc0, skc1, svc0, svc1, NQ, NK, HD)
+                _rope_store(y, out_ptr, pid_m, pid_n, stride_om, rc, rs, slot, kc_ptr, vc_ptr, skc0, skc1, svc0, svc1,
+                            NQ, NK, HD)
             else:
                 tl.store(out_ptr + row_offs, y.to(out_ptr.dtype.element_ty), mask=mask_n)
         else:
@@ -1151,8 +1152,8 @@ if triton_enabled():
                         total += tl.load(part_ptr + s * stride_split + row_offs, mask=mask_n, other=0.0,
                                          cache_modifier=".cg")
                     if ROPE:
-                        _rope_store(total, out_ptr, pid_m, pid_n, stride_om, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
-                                    kc_ptr, vc_ptr, s_cos, skc0, skc1, svc0, svc1, NQ, NK, HD)
+                        _rope_store(total, out_ptr, pid_m, pid_n, stride_om, rc, rs, slot, kc_ptr, vc_ptr, skc0, skc1,
+                                    svc0, svc1, NQ, NK, HD)
                     else:
                         tl.store(out_ptr + row_offs, total.to(out_ptr.dtype.element_ty), mask=mask_n)
                     tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
@@ -1168,13 +1169,29 @@ if triton_enabled():
         return (n0 // HD) * HD + (n0 % HD) // 2 + (i % H2) + (i // H2) * (HD // 2)
 
     @triton.jit
-    def _rope_store(y, out_ptr, pid_m, pid_n, stride_om, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                    s_cos, skc0, skc1, svc0, svc1, NQ: tl.constexpr, NK: tl.constexpr, HD: tl.constexpr):
+    def _rope_inputs(pid_m, pid_n, pos_ptr, slot_ptr, cos_ptr, sin_ptr, s_cos, BLOCK_N: tl.constexpr,
+                     HD: tl.constexpr):
+        """cos and sin [BLOCK_N / 2] of program ``pid_n``'s dims at token ``pid_m``'s position,
+        and the token's KV slot, loaded as the program starts, before it waits for the previous
+        kernel: positions and slots are step inputs (the model runner copies them in before the
+        step's first kernel, as decode attention's block tables), and their latency then hides
+        behind that wait instead of adding two dependent reads to the program's end (H200 run
+        37, reading them at the end: 8B Q4_K one-stream decode 509.5 -> 498.6 tok/s)."""
+        H2: tl.constexpr = BLOCK_N // 2
+        d0 = (pid_n * BLOCK_N % HD) // 2
+        pos = tl.load(pos_ptr + pid_m).to(tl.int64)
+        j = tl.arange(0, H2)
+        return (tl.load(cos_ptr + pos * s_cos + d0 + j), tl.load(sin_ptr + pos * s_cos + d0 + j),
+                tl.load(slot_ptr + pid_m).to(tl.int64))
+
+    @triton.jit
+    def _rope_store(y, out_ptr, pid_m, pid_n, stride_om, c, s, slot, kc_ptr, vc_ptr, skc0, skc1, svc0, svc1,
+                    NQ: tl.constexpr, NK: tl.constexpr, HD: tl.constexpr):
         """Final sums ``y [BN]`` of a q|k|v tile in ``_rope_rows`` order, rounded to ``out``'s
-        dtype; q and k rows rotated at token ``pid_m``'s position with the bits of
+        dtype; q and k rows rotated by ``c``, ``s`` (``_rope_inputs``) with the bits of
         ``triton_fused._rope_rows`` (``fma(f1, c, -(f2 * s))``, ``fma(f2, c, f1 * s)``, written
         out as ``triton_attention._rope_cols`` does), written to ``out``; k and v rows also
-        stored at the token's slot of the caches ``[slots, heads, HD]``."""
+        stored at ``slot`` of the caches ``[slots, heads, HD]``."""
         BN: tl.constexpr = y.shape[0]
         H2: tl.constexpr = BN // 2
         yb = y.to(out_ptr.dtype.element_ty)
@@ -1184,9 +1201,6 @@ if triton_enabled():
         j = tl.arange(0, H2)
         row = pid_m.to(tl.int64) * stride_om + (n0 // HD) * HD + d0 + j
         if n0 < NQ + NK:
-            pos = tl.load(pos_ptr + pid_m).to(tl.int64)
-            c = tl.load(cos_ptr + pos * s_cos + d0 + j)
-            s = tl.load(sin_ptr + pos * s_cos + d0 + j)
             af = a.to(tl.float32)
             bf = b.to(tl.float32)
             a = tl.fma(af, c, (bf * s) * -1.0).to(yb.dtype)
@@ -1194,7 +1208,6 @@ if triton_enabled():
         tl.store(out_ptr + row, a)
         tl.store(out_ptr + row + HD // 2, b)
         if n0 >= NQ:
-            slot = tl.load(slot_ptr + pid_m).to(tl.int64)
             if n0 < NQ + NK:
                 dst = kc_ptr + slot * skc0 + ((n0 - NQ) // HD) * skc1 + d0 + j
                 tl.store(dst, a.to(kc_ptr.dtype.element_ty))
@@ -1463,6 +1476,11 @@ if triton_enabled():
         acc = tl.zeros((BLOCK_N, HG), dtype=tl.float32)
         g_start = pid_s * GROUPS_PER_SPLIT
         FIRST: tl.constexpr = TG if EARLY else 0      # tiles before it: done before the loop
+        rc = 0.0
+        rs = 0.0
+        slot = 0
+        if ROPE:    # step inputs (copied in before the step's first kernel) and the tables: before the wait
+            rc, rs, slot = _rope_inputs(pid_m, pid_n, pos_ptr, slot_ptr, cos_ptr, sin_ptr, s_cos, BLOCK_N, HD)
         if EARLY:
             w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
             _pdl_enter(PDL)
@@ -1483,8 +1501,8 @@ if triton_enabled():
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
         _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
-                    stride_om, stride_split, SPLIT, LAST_SUMS, ROPE, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr,
-                    vc_ptr, s_cos, skc0, skc1, svc0, svc1, NQ, NK, HD)
+                    stride_om, stride_split, SPLIT, LAST_SUMS, ROPE, rc, rs, slot, kc_ptr, vc_ptr, skc0, skc1,
+                    svc0, svc1, NQ, NK, HD)
 
     @triton.jit
     def _prefetch_l2(ptrs):

@@ -251,10 +251,12 @@ def test_first_tile_loaded_before_the_wait_gives_the_same_bits(qtype, monkeypatc
         tq.gemv_early(n, k)
 
 
-def test_first_tile_early_by_default_for_short_rows_only(monkeypatch):
+def test_first_tile_early_by_default_for_models_up_to_2048_wide(monkeypatch):
     monkeypatch.delenv("LODESTAR_GEMV_EARLY", raising=False)
     assert tq.gemv_early(3072, 576) and tq.gemv_early(49152, 576) and tq.gemv_early(576, 1536)  # SmolLM2
+    assert tq.gemv_early(3072, 2048) and tq.gemv_early(2048, 8192)                             # 1B q|k|v, down
     assert not tq.gemv_early(4096, 4096) and not tq.gemv_early(4096, 14336)                    # 8B
+    assert not tq.gemv_early(28672, 4096) and not tq.gemv_early(49152, 4096)
     monkeypatch.setenv("LODESTAR_GEMV_EARLY", "0")
     assert not tq.gemv_early(64, 64)
     monkeypatch.setenv("LODESTAR_GEMV_EARLY", "1")
