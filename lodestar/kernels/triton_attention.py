@@ -99,8 +99,13 @@ def num_partitions(max_context: int) -> int:
 
 
 def grid_splits(num_seqs: int, n_kv_heads: int, device: torch.device) -> int:
-    """Programs per (sequence, kv head): enough to give every SM a few, at most 64."""
-    want = -(-4 * _num_sms(device) // max(1, num_seqs * n_kv_heads))
+    """Programs per (sequence, kv head): enough to give every SM ``LODESTAR_ATTN_PROGRAMS_PER_SM``
+    (default 4; read at each call), at most 64. Results do not depend on it (partition
+    boundaries and the combine order follow the sequence's length only)."""
+    env = os.environ.get("LODESTAR_ATTN_PROGRAMS_PER_SM", "").strip() or "4"
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"LODESTAR_ATTN_PROGRAMS_PER_SM={env!r}; use a positive integer")
+    want = -(-int(env) * _num_sms(device) // max(1, num_seqs * n_kv_heads))
     return max(1, min(64, want))
 
 

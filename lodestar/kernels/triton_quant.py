@@ -774,6 +774,17 @@ def rope_epilogue_ok(pw: PackedWeight, rows: int, head_dim: int, n_q: int, n_k: 
     return (cfg.words and pw.qtype in WORDS_CAPABLE and cfg.block_n % 2 == 0 and head_dim % cfg.block_n == 0)
 
 
+def qkv_rope_pdl() -> str:
+    """How a q|k|v kernel that rotates and stores (``qkv_rope``) lets the next kernel (decode
+    attention) launch, env ``LODESTAR_QKV_ROPE_PDL``: ``1`` (unset) as ``pdl()``, as soon as
+    its programs have started; ``wait``: when it ends (attention's waiting programs then do
+    not sit on the SMs beside the projection's)."""
+    env = os.environ.get("LODESTAR_QKV_ROPE_PDL", "").strip() or "1"
+    if env not in ("1", "wait"):
+        raise ValueError(f"LODESTAR_QKV_ROPE_PDL={env!r}; use 1 or wait")
+    return env
+
+
 def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                  config: GemvConfig | None = None, rope: RopeStore | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
@@ -819,12 +830,15 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
         rope_c = dict(ROPE=False, NQ=0, NK=0, HD=0)
     if cfg.words and pw.qtype in WORDS_CAPABLE:
         even = pw.n % cfg.block_n == 0 and per_split % cfg.tile_groups == 0 and per_split * cfg.split_k == groups
+        launch = pdl()
+        if rope is not None and launch["PDL"] is True and qkv_rope_pdl() == "wait":
+            launch = _PDL_WAIT
         _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
                                  M * pw.n, *rope_args, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n,
                                  TG=cfg.tile_groups, GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k,
                                  LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
                                  EVEN=even, EARLY=gemv_early(pw.n, pw.k), **rope_c, num_warps=cfg.num_warps,
-                                 **pdl())
+                                 **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,

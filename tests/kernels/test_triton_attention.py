@@ -307,3 +307,19 @@ def test_kv_prefetch_keeps_the_bits(window, monkeypatch):
             runs.append(ta.decode_attention(q, kc, vc, tables, sl, BS, d ** -0.5, window, parts, 4,
                                             fuse_reduce=fuse_reduce))
         assert _same_bits(runs[0], runs[1]), fuse_reduce
+
+
+def test_grid_splits_follow_the_programs_per_sm_setting(monkeypatch):
+    """``LODESTAR_ATTN_PROGRAMS_PER_SM`` (default 4) sets how many decode-attention programs
+    a step asks for; at most 64 per (sequence, kv head), at least 1."""
+    cpu = torch.device("cpu")       # 4 "SMs" off the GPU
+    monkeypatch.delenv("LODESTAR_ATTN_PROGRAMS_PER_SM", raising=False)
+    assert ta.grid_splits(1, 2, cpu) == 8 and ta.grid_splits(64, 8, cpu) == 1
+    monkeypatch.setenv("LODESTAR_ATTN_PROGRAMS_PER_SM", "1")
+    assert ta.grid_splits(1, 2, cpu) == 2
+    monkeypatch.setenv("LODESTAR_ATTN_PROGRAMS_PER_SM", "1000")
+    assert ta.grid_splits(1, 1, cpu) == 64
+    for bad in ("0", "x", "-1"):
+        monkeypatch.setenv("LODESTAR_ATTN_PROGRAMS_PER_SM", bad)
+        with pytest.raises(ValueError, match="LODESTAR_ATTN_PROGRAMS_PER_SM"):
+            ta.grid_splits(1, 2, cpu)

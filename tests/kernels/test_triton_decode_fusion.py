@@ -327,3 +327,13 @@ def test_qkv_rope_epilogue_gives_the_bits_of_the_rope_kernel(qtype, head_dim, mo
         tq.quant_matmul(_x(1, k, 0).to(dev), pw, config=tq.GemvConfig(16, 16, 1, 4),
                         rope=tq.RopeStore(positions[:1], slot_map[:1], rope.cos, rope.sin, kc0, vc0, n_q, n_k,
                                           head_dim))
+
+
+def test_qkv_rope_launch_setting(monkeypatch):
+    monkeypatch.delenv("LODESTAR_QKV_ROPE_PDL", raising=False)
+    assert tq.qkv_rope_pdl() == "1"
+    monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "wait")
+    assert tq.qkv_rope_pdl() == "wait"
+    monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "0")
+    with pytest.raises(ValueError, match="LODESTAR_QKV_ROPE_PDL"):
+        tq.qkv_rope_pdl()
