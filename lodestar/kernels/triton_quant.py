@@ -164,7 +164,10 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # atomic counter per chunk, as the K-split sum): 8B Q4_0 517.6 -> 501.8 tok/s, Q4_K 509.1 ->
 # 485.6; the barrier and acquire-release atomic at the end of each of the 3,584 programs cost
 # more than the activation kernel they replace.
-DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue")
+# qkv_rope joined after run 39 (same tokens; with the q|k|v kernel letting attention launch only
+# at its end, ``qkv_rope_pdl``): 8B Q4_0 516.4 -> 523.3 tok/s, Q4_K 510.0 -> 511.8, Llama-3.2-1B
+# Q4_0 1,725.4 -> 1,748.9, SmolLM2-135M Q4_0 1,748.8 -> 1,776.8.
+DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope")
 
 
 def fusions() -> frozenset[str]:
@@ -776,10 +779,13 @@ def rope_epilogue_ok(pw: PackedWeight, rows: int, head_dim: int, n_q: int, n_k: 
 
 def qkv_rope_pdl() -> str:
     """How a q|k|v kernel that rotates and stores (``qkv_rope``) lets the next kernel (decode
-    attention) launch, env ``LODESTAR_QKV_ROPE_PDL``: ``1`` (unset) as ``pdl()``, as soon as
-    its programs have started; ``wait``: when it ends (attention's waiting programs then do
-    not sit on the SMs beside the projection's)."""
-    env = os.environ.get("LODESTAR_QKV_ROPE_PDL", "").strip() or "1"
+    attention) launch, env ``LODESTAR_QKV_ROPE_PDL``: ``wait`` (unset) when it ends; ``1`` as
+    ``pdl()``, as soon as its programs have started. H200 run 39, one-stream decode, same
+    tokens (without ``qkv_rope`` / with it, ``1`` / ``wait``): 8B Q4_0 516.4 / 516.1 / 523.3
+    tok/s, Q4_K 510.0 / 506.1 / 511.8, Llama-3.2-1B Q4_0 1,725.4 / 1,725.1 / 1,748.9,
+    SmolLM2-135M Q4_0 1,748.8 / 1,798.5 / 1,776.8. Fewer attention programs
+    (``LODESTAR_ATTN_PROGRAMS_PER_SM=1``) did not do what ``wait`` does (8B Q4_0 516.6)."""
+    env = os.environ.get("LODESTAR_QKV_ROPE_PDL", "").strip() or "wait"
     if env not in ("1", "wait"):
         raise ValueError(f"LODESTAR_QKV_ROPE_PDL={env!r}; use 1 or wait")
     return env
