@@ -55,8 +55,9 @@ Kernels (reference in brackets, same module):
     tile (Nsight Compute on the group-tile kernel: L1 throughput 73-90% from such shuffles,
     DRAM 39-44%). Per group the two x terms combine exactly in int32,
     ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``, one conversion to fp32. The scale and x loads are
-    inline PTX (``ld.global.nc``) so they keep their users' layout; under the interpreter
-    they are plain loads.
+    inline PTX (``ld.global.nc`` for the scales, a coherent ``ld.global`` for x, which the
+    previous kernel writes) so they keep their users' layout; under the interpreter they
+    are plain loads.
 
     Tiling and loop form (``GemvConfig``, chosen by ``gemv_config`` per weight type and
     shape): ``block_n``, ``tile_groups``, ``split_k``, ``num_warps``, and one of three loop
@@ -1429,9 +1430,13 @@ if triton_enabled():
     def _ld_x(ptr, mask, ASM: tl.constexpr, EVEN: tl.constexpr):
         """int32 x words at ``ptr`` (0 where masked; masked pointers must still be readable), four
         consecutive words per 16-byte load. As inline assembly the load keeps the register
-        layout of its users (each thread holds whole groups), with no shared-memory shuffle."""
+        layout of its users (each thread holds whole groups), with no shared-memory shuffle.
+        A coherent load, not ``ld.global.nc`` as the weights' scales: x is the previous
+        kernel's output, and ptxas moves read-only (``.nc``) loads above
+        ``griddepcontrol.wait`` (seen with the first tile loaded early and no
+        ``launch_dependents`` after the wait: x read before the kernel that writes it ended)."""
         if ASM:
-            v = tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+            v = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
                                           "=r,=r,=r,=r,l,l,l,l", [ptr], dtype=tl.int32, is_pure=True, pack=4)
             return v if EVEN else tl.where(mask, v, 0)
         return tl.load(ptr) if EVEN else tl.load(ptr, mask=mask, other=0)
