@@ -165,9 +165,9 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # atomic counter per chunk, as the K-split sum): 8B Q4_0 517.6 -> 501.8 tok/s, Q4_K 509.1 ->
 # 485.6; the barrier and acquire-release atomic at the end of each of the 3,584 programs cost
 # more than the activation kernel they replace.
-# qkv_rope joined after run 39 (same tokens; with the q|k|v kernel letting attention launch only
-# at its end, ``qkv_rope_pdl``): 8B Q4_0 516.4 -> 523.3 tok/s, Q4_K 510.0 -> 511.8, Llama-3.2-1B
-# Q4_0 1,725.4 -> 1,748.9, SmolLM2-135M Q4_0 1,748.8 -> 1,776.8.
+# qkv_rope joined after runs 39 and 41 (same tokens; the attention launch as ``qkv_rope_pdl``):
+# 8B Q4_0 515.8 -> 523.3 tok/s, Q4_K 510.2 -> 511.8, Llama-3.2-1B Q4_0 1,730.7 -> 1,742.1 (run
+# 41), SmolLM2-135M Q4_0 1,748.8 -> 1,798.5 (run 39).
 DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope")
 
 
@@ -778,18 +778,29 @@ def rope_epilogue_ok(pw: PackedWeight, rows: int, head_dim: int, n_q: int, n_k: 
     return (cfg.words and pw.qtype in WORDS_CAPABLE and cfg.block_n % 2 == 0 and head_dim % cfg.block_n == 0)
 
 
-def qkv_rope_pdl() -> str:
-    """How a q|k|v kernel that rotates and stores (``qkv_rope``) lets the next kernel (decode
-    attention) launch, env ``LODESTAR_QKV_ROPE_PDL``: ``wait`` (unset) when it ends; ``1`` as
-    ``pdl()``, as soon as its programs have started. H200 run 39, one-stream decode, same
-    tokens (without ``qkv_rope`` / with it, ``1`` / ``wait``): 8B Q4_0 516.4 / 516.1 / 523.3
-    tok/s, Q4_K 510.0 / 506.1 / 511.8, Llama-3.2-1B Q4_0 1,725.4 / 1,725.1 / 1,748.9,
-    SmolLM2-135M Q4_0 1,748.8 / 1,798.5 / 1,776.8. Fewer attention programs
-    (``LODESTAR_ATTN_PROGRAMS_PER_SM=1``) did not do what ``wait`` does (8B Q4_0 516.6)."""
-    env = os.environ.get("LODESTAR_QKV_ROPE_PDL", "").strip() or "wait"
+def qkv_rope_pdl(k: int = 0) -> str:
+    """How a q|k|v kernel that rotates and stores (``qkv_rope``) over rows of ``k`` weights lets
+    the next kernel (decode attention) launch, env ``LODESTAR_QKV_ROPE_PDL``: ``1`` as
+    ``pdl()``, as soon as its programs have started; ``wait``: when it ends; unset: ``1``
+    for models up to ``QKV_ROPE_EARLY_LAUNCH_MAX_K`` wide, else ``wait``.
+
+    H200, one-stream decode, same tokens; without ``qkv_rope`` / with it, ``1`` / ``wait``.
+    Run 41 (x loaded coherently, see ``_ld_x``): 8B Q4_0 515.8 / - / 523.3 tok/s, Q4_K
+    510.2 / - / 511.8, Llama-3.2-1B Q4_0 1,730.7 / - / 1,742.1, SmolLM2-135M Q4_0 1,747.3 / -
+    / 1,733.9. Run 39: ``1`` 8B Q4_0 516.1, Q4_K 506.1, 1B 1,725.1, SmolLM2 1,798.5 against
+    516.4, 510.0, 1,725.4, 1,748.8 without (run 39's ``wait`` figures for the two models
+    whose first tile loads early read x before the wait, ``_ld_x``, so they are not
+    quoted). Fewer attention programs (``LODESTAR_ATTN_PROGRAMS_PER_SM=1``) were no
+    substitute for ``wait`` (8B Q4_0 516.6)."""
+    env = os.environ.get("LODESTAR_QKV_ROPE_PDL", "").strip()
+    if env == "":
+        return "1" if 0 < k <= QKV_ROPE_EARLY_LAUNCH_MAX_K else "wait"
     if env not in ("1", "wait"):
         raise ValueError(f"LODESTAR_QKV_ROPE_PDL={env!r}; use 1 or wait")
     return env
+
+
+QKV_ROPE_EARLY_LAUNCH_MAX_K = 1024
 
 
 def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: torch.dtype | None = None,
@@ -838,7 +849,7 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
     if cfg.words and pw.qtype in WORDS_CAPABLE:
         even = pw.n % cfg.block_n == 0 and per_split % cfg.tile_groups == 0 and per_split * cfg.split_k == groups
         launch = pdl()
-        if rope is not None and launch["PDL"] is True and qkv_rope_pdl() == "wait":
+        if rope is not None and launch["PDL"] is True and qkv_rope_pdl(pw.k) == "wait":
             launch = _PDL_WAIT
         _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
                                  M * pw.n, *rope_args, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n,

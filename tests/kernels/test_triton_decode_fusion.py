@@ -331,7 +331,9 @@ def test_qkv_rope_epilogue_gives_the_bits_of_the_rope_kernel(qtype, head_dim, mo
 
 def test_qkv_rope_launch_setting(monkeypatch):
     monkeypatch.delenv("LODESTAR_QKV_ROPE_PDL", raising=False)
-    assert tq.qkv_rope_pdl() == "wait"
+    assert tq.qkv_rope_pdl(576) == "1" and tq.qkv_rope_pdl(2048) == "wait" and tq.qkv_rope_pdl(4096) == "wait"
+    monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "wait")
+    assert tq.qkv_rope_pdl(576) == "wait"
     monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "1")
     assert tq.qkv_rope_pdl() == "1"
     monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "0")
