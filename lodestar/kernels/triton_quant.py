@@ -741,6 +741,71 @@ def prefetch_launch(arrays: list[torch.Tensor] | None, rows: int, programs_per_r
     return (args[0], args[1:], form) if any(args[1:]) else (0, _NO_PREFETCH, 0)
 
 
+ATTN_PREFETCH_RANGES = 4           # ranges the decode-attention kernel can ask L2 for
+_NO_ATTN_PREFETCH = (0,) * (3 * ATTN_PREFETCH_RANGES)
+
+
+def attention_prefetch_budget() -> int:
+    """Bytes of the weights that follow decode attention (the output projection's arrays,
+    then the first bytes of the next projection's codes) that the decode-attention kernel
+    asks L2 for while it runs (env ``LODESTAR_ATTN_WEIGHT_PREFETCH`` in MiB, ``0``: off;
+    read at each call)."""
+    env = os.environ.get("LODESTAR_ATTN_WEIGHT_PREFETCH", ATTN_WEIGHT_PREFETCH_DEFAULT_MB).strip() or "0"
+    try:
+        mib = float(env)
+    except ValueError:
+        mib = -1.0
+    if mib < 0:
+        raise ValueError(f"LODESTAR_ATTN_WEIGHT_PREFETCH={env!r}; give MiB (a number >= 0, 0: off)")
+    return int(mib * (1 << 20))
+
+
+ATTN_WEIGHT_PREFETCH_DEFAULT_MB = "0"
+
+
+def budget_plan(groups: list[list[tuple[int, int]]], budget: int, lanes: int, form: int = 1,
+                ranges: int = ATTN_PREFETCH_RANGES) -> tuple[int, ...]:
+    """``(address, bytes, step) * ranges`` asking for up to ``budget`` bytes of ``groups``
+    (each a projection's arrays as (address, bytes); projections in order, each one's
+    arrays largest first, the last range cut to what is left of the budget) over ``lanes``
+    lanes. ``step`` as in ``prefetch_plan``. Bytes are multiples of 16; unaligned arrays
+    are left out; unused slots are 0."""
+    flat: list[int] = []
+    left = budget
+    for group in groups:
+        for addr, size in sorted(group, key=lambda r: -r[1]):
+            if len(flat) == 3 * ranges or left < 16:
+                break
+            n = min(size, left) // 16 * 16
+            if addr % 16 or n == 0:
+                continue
+            step = (-(-n // lanes) + 15) // 16 * 16 if form == 1 else -(-n // (lanes * form))
+            flat += [addr, n, step]
+            left -= n
+    return tuple(flat + [0] * (3 * ranges - len(flat)))
+
+
+def attention_prefetch(groups: list[list[torch.Tensor]] | None, programs: int, lanes: int,
+                       ) -> tuple[tuple[int, ...], int]:
+    """(kernel arguments, ``PF`` constexpr: 0 for none) for the ``programs`` programs of
+    ``lanes`` threads of the decode-attention kernel to ask L2 for up to
+    ``attention_prefetch_budget()`` bytes of ``groups`` (``cuda_linear.attention_prefetch_arrays``)."""
+    if not groups or not groups[0] or interpreted() or not groups[0][0].is_cuda:
+        return _NO_ATTN_PREFETCH, 0
+    budget = attention_prefetch_budget()
+    if budget <= 0:
+        return _NO_ATTN_PREFETCH, 0
+    form = weight_prefetch_form()
+    ranges = tuple(tuple((a.data_ptr(), a.numel() * a.element_size()) for a in g) for g in groups)
+    key = ("attn", ranges, budget, programs, lanes, form)
+    args = _PREFETCH_ARGS.get(key)
+    if args is None:
+        if len(_PREFETCH_ARGS) >= 4096:
+            _PREFETCH_ARGS.clear()
+        args = _PREFETCH_ARGS[key] = budget_plan([list(g) for g in ranges], budget, programs * lanes, form)
+    return (args, form) if any(args) else (_NO_ATTN_PREFETCH, 0)
+
+
 def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
     c = pw.tile_counters
     if c is None or c.numel() < tiles:
