@@ -71,8 +71,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import (GROUP, QuantizedRows, attention_prefetch, fusions, graph_buffers,
-                                           interpreted, pdl, triton_enabled)
+from lodestar.kernels.triton_quant import (GROUP, QuantizedRows, fusions, graph_buffers, interpreted, pdl,
+                                           triton_enabled)
 
 PARTITION = 256     # keys per decode partition
 SHORT_PARTITION = 64    # keys per partition when the visible context is at most SHORT_CONTEXT
@@ -185,8 +185,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      window: int | None = None, max_partitions: int | None = None,
                      splits: int | None = None, new: NewTokens | None = None,
                      fuse_reduce: bool | None = None, counters: torch.Tensor | None = None,
-                     quantize: bool = False, prefetch: list[list[torch.Tensor]] | None = None,
-                     ) -> torch.Tensor | QuantizedRows:
+                     quantize: bool = False) -> torch.Tensor | QuantizedRows:
     """Attention of one query per sequence over its paged context.
 
     ``q [B, Hq, D]``; caches ``[slots, Hk, D]``; ``block_tables [B, W]`` and ``seq_lens [B]``
@@ -200,9 +199,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``counters`` (default ``decode_counters(q.device)``; at least B * Hk int32 zeros, left
     at zero). ``quantize`` (fusion ``attn_quant``; bf16, D a multiple of 32): returns
     ``QuantizedRows`` of the output as ``[B, Hq * D]`` rows, quantized by the kernel that
-    writes them (the bits of ``quantize_x``). ``prefetch``: weight arrays of the projections
-    that follow (``cuda_linear.attention_prefetch_arrays``) for the kernel to ask L2 for, up
-    to ``triton_quant.attention_prefetch_budget()`` bytes (same results).
+    writes them (the bits of ``quantize_x``).
     """
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
@@ -242,17 +239,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:       # never read: ROPE is off
         nk, nv, pos, cos, sin, slots = k_cache, v_cache, seq_lens, part_m, part_m, seq_lens
     launch = attention_pdl()
-    pf_args, pf = attention_prefetch(prefetch, B * Hk * splits, 128)
     _decode_partial_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_m, part_l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), scale * LOG2E, win, max_partitions,
         out, counters, out.stride(0), out.stride(1), words, d1, sums,
         nk, nv, pos, cos, sin, slots, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), cos.stride(0),
-        *pf_args, G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=SHORT_PARTITION,
+        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=SHORT_PARTITION,
         SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
         CHUNK=REDUCE_CHUNK, ROPE=new is not None, QUANT=quantize, INTERP=_INTERP,
-        PREFETCH=launch["PDL"] != 0 and kv_prefetch(), PF=pf, num_warps=4, **launch)
+        PREFETCH=launch["PDL"] != 0 and kv_prefetch(), num_warps=4, **launch)
     if not fuse_reduce:
         _decode_reduce_kernel[(B, Hq)](
             part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), words, d1, sums, win,
@@ -334,7 +330,7 @@ if triton_enabled():
 
     from lodestar.kernels.triton_dense import _pdl_enter
     from lodestar.kernels.triton_fused import _quant_store
-    from lodestar.kernels.triton_quant import _bulk_prefetch, _line_prefetch, _prefetch_l2
+    from lodestar.kernels.triton_quant import _prefetch_l2
 
     @triton.jit
     def _partition(ctx, PART: tl.constexpr, PART_SHORT: tl.constexpr, SHORT: tl.constexpr):
@@ -439,36 +435,18 @@ if triton_enabled():
             _prefetch_l2(v_ptr + kvh.to(tl.int64) * stride_vh + slot[:, None] * stride_vs + sectors[None, :])
 
     @triton.jit
-    def _attn_weight_prefetch(a0, n0, c0, a1, n1, c1, a2, n2, c2, a3, n3, c3, FORM: tl.constexpr):
-        """This program's share (128 lanes) of four ranges (``_bulk_prefetch`` / ``_line_prefetch``)."""
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        i = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        lane = i * 128 + tl.arange(0, 128)
-        if FORM == 1:
-            _bulk_prefetch(a0, n0, c0, lane)
-            _bulk_prefetch(a1, n1, c1, lane)
-            _bulk_prefetch(a2, n2, c2, lane)
-            _bulk_prefetch(a3, n3, c3, lane)
-        else:
-            _line_prefetch(a0, n0, c0, lane, programs * 128, FORM)
-            _line_prefetch(a1, n1, c1, lane, programs * 128, FORM)
-            _line_prefetch(a2, n2, c2, lane, programs * 128, FORM)
-            _line_prefetch(a3, n3, c3, lane, programs * 128, FORM)
-
-    @triton.jit
     def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, po_ptr, pm_ptr, pl_ptr,
                                stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
                                qk_scale, window, max_parts,
                                out_ptr, cnt_ptr, stride_ob, stride_oh, words_ptr, d1_ptr, sums_ptr,
                                nk_ptr, nv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
                                stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cos,
-                               pa0, pn0, pc0, pa1, pn1, pc1, pa2, pn2, pc2, pa3, pn3, pc3,
                                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                BLOCK_N: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
                                SHORT: tl.constexpr, SPLITS: tl.constexpr,
                                IS_F32: tl.constexpr, DOT_F32: tl.constexpr, REDUCE: tl.constexpr,
                                CHUNK: tl.constexpr, ROPE: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr,
-                               PREFETCH: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):
+                               PREFETCH: tl.constexpr, PDL: tl.constexpr):
         """Program (sequence b, kv head, split): the partials of partitions split, split +
         SPLITS, ... for the G query heads of the kv head (see the module docstring).
 
@@ -482,15 +460,10 @@ if triton_enabled():
         PREFETCH: before ``_pdl_enter``, ask L2 for the keys and values of this program's first
         partition (``_prefetch_partition``; lengths and block tables are step inputs, written
         before the step's first kernel; a key the previous kernel is storing is prefetched
-        stale, harmlessly: L2 is where its store lands). PF (0: none): before that, every
-        program asks L2 for its share of up to four weight ranges (``pa``, ``pn``, ``pc``:
-        address, bytes, step; ``triton_quant.attention_prefetch``) in the form PF
-        (``triton_quant.PREFETCH_FORMS``): the projections after attention, never written."""
+        stale, harmlessly: L2 is where its store lands)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        if PF:
-            _attn_weight_prefetch(pa0, pn0, pc0, pa1, pn1, pc1, pa2, pn2, pc2, pa3, pn3, pc3, PF)
         if PREFETCH:
             _prefetch_partition(k_ptr, v_ptr, tables_ptr, lens_ptr, b, kvh, split, stride_ks, stride_kh, stride_vs,
                                 stride_vh, stride_tb, window, D, BS, BLOCK_N, PART, PART_SHORT, SHORT)

@@ -167,30 +167,6 @@ def prefetch_arrays(module: object, site: str | None = None) -> list[torch.Tenso
     return None
 
 
-def attention_prefetch_arrays(o: object, after: tuple = ()) -> list[list[torch.Tensor]] | None:
-    """The weight arrays of the output projection ``o``, then of the projections in ``after``
-    (a block's gate|up), for the decode-attention kernel to ask L2 for
-    (``triton_quant.attention_prefetch``: up to ``LODESTAR_ATTN_WEIGHT_PREFETCH`` MiB, in this
-    order); None with that prefetch off or no GPU weights."""
-    from lodestar.kernels.triton_quant import attention_prefetch_budget
-    if attention_prefetch_budget() <= 0:
-        return None
-    groups = [g for g in (_arrays(m) for m in (o, *after)) if g]
-    return groups or None
-
-
-def _arrays(module: object) -> list[torch.Tensor]:
-    """A projection's GPU weight arrays (a list of projections: all of theirs)."""
-    if isinstance(module, (list, tuple, nn.ModuleList)):
-        return [a for m in module for a in _arrays(m)]
-    if isinstance(module, CudaQuantLinear):
-        w = module.weight
-        return [t for t in (w.codes, w.d, w.high, w.dmin, w.sc, w.m) if t is not None]
-    if isinstance(module, CudaDenseLinear):
-        return [module.weight]
-    return []
-
-
 class CudaDenseLinear(nn.Module):
     """``y = x @ W.T`` with W dense (bf16 or fp32); y in x's dtype. ``x`` may also be a
     ``triton_dense.PendingNorm`` / ``PendingGlu``, computed inside the matrix-vector kernel

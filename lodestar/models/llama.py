@@ -51,10 +51,6 @@ def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    # projections after the output projection whose weights decode attention may ask L2 for
-    # (a tuple, so not registered as submodules; ``LlamaBlock`` sets its gate|up)
-    after: tuple = ()
-
     def __init__(self, a: LlamaArgs, w: WeightLoader, i: int, rope: RotaryEmbedding,
                  norm_cls: type[RMSNorm] = RMSNorm, sliding_window: int | None = None,
                  scale: float | None = None) -> None:
@@ -106,10 +102,10 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         rope = self._rope_store(x, positions, batch)
         if rope is not None:    # rotated and stored by the projection's kernel
-            from lodestar.layers.cuda_linear import attention_prefetch_arrays, takes_quantized_input
+            from lodestar.layers.cuda_linear import takes_quantized_input
             q = self.qkv.forward_rope(x, rope)[:, :self.sizes[0]].view(T, self.n_heads, self.head_dim)
             o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, None,
-                                takes_quantized_input(self.o), attention_prefetch_arrays(self.o, self.after))
+                                takes_quantized_input(self.o))
             return self.o(o.reshape(T, -1) if isinstance(o, torch.Tensor) else o)
         q, k, v = split_fused(self.qkv, x, self.sizes)
         if self.qkv_bias is not None:
@@ -132,12 +128,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self.rope(positions, q, k)
             write_kv(self.k_cache, self.v_cache, k, v, batch)
-        pf = None
-        if batch.gpu is not None:
-            from lodestar.layers.cuda_linear import attention_prefetch_arrays
-            pf = attention_prefetch_arrays(self.o, self.after)
-        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, new, quantize,
-                            pf)
+        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, new, quantize)
         return self.o(o.reshape(T, -1) if isinstance(o, torch.Tensor) else o)    # else QuantizedRows [T, Hq * D]
 
 
@@ -183,7 +174,6 @@ class LlamaBlock(nn.Module):
         self.attn = LlamaAttention(a, w, i, rope)
         self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.ffn_norm.weight"), a.rms_eps)
         self.mlp = LlamaMLP(a, w, i)
-        self.attn.after = (self.mlp.gate_up,)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         h, y = self.ffn_norm.add_norm(x, self.attn(self.attn_norm(x), positions, batch))

@@ -309,35 +309,6 @@ def test_kv_prefetch_keeps_the_bits(window, monkeypatch):
         assert _same_bits(runs[0], runs[1]), fuse_reduce
 
 
-@pytest.mark.parametrize("form", ["line", "bulk"])
-def test_attention_weight_prefetch_keeps_the_bits(form, monkeypatch):
-    """The decode kernel asking L2 for the next projections' weights (whole arrays, a cut
-    one, four ranges): the bits without it. GPU only (the interpreter has no prefetch)."""
-    if not torch.cuda.is_available():
-        pytest.skip("the prefetch runs on a CUDA device only")
-    from lodestar.kernels import triton_quant as tq
-    hq, hk, d, lens = 32, 8, 128, [1, 77, 300, 1500]
-    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, torch.bfloat16, "cuda", seed=6)
-    parts = ta.num_partitions(tables.shape[1] * BS)
-    g = torch.Generator().manual_seed(1)
-    weights = [[torch.randint(0, 255, (3 << 20,), generator=g, dtype=torch.uint8).cuda(),
-                torch.randn(1 << 16, generator=g).half().cuda()],
-               [torch.randint(0, 255, (9 << 20,), generator=g, dtype=torch.uint8).cuda(),
-                torch.randn(5000, generator=g).cuda()]]
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", form)
-    for fuse_reduce in (False, True):
-        monkeypatch.setenv("LODESTAR_ATTN_WEIGHT_PREFETCH", "0")
-        ref = ta.decode_attention(q, kc, vc, tables, sl, BS, d ** -0.5, None, parts, 4, fuse_reduce=fuse_reduce,
-                                  prefetch=weights, quantize=True)
-        for mib in ("1", "6", "64"):
-            monkeypatch.setenv("LODESTAR_ATTN_WEIGHT_PREFETCH", mib)
-            assert tq.attention_prefetch(weights, 4 * hk * 4, 128)[1] > 0
-            got = ta.decode_attention(q, kc, vc, tables, sl, BS, d ** -0.5, None, parts, 4,
-                                      fuse_reduce=fuse_reduce, prefetch=weights, quantize=True)
-            for a, b in zip((got.x, got.words, got.d1, got.sums), (ref.x, ref.words, ref.d1, ref.sums)):
-                assert _same_bits(a, b), (fuse_reduce, mib)
-
-
 def test_grid_splits_follow_the_programs_per_sm_setting(monkeypatch):
     """``LODESTAR_ATTN_PROGRAMS_PER_SM`` (default 4) sets how many decode-attention programs
     a step asks for; at most 64 per (sequence, kv head), at least 1."""

@@ -119,43 +119,6 @@ def test_weight_prefetch_plan_takes_the_largest_arrays_whole_when_they_fit():
     assert args[:3] == [codes[0], codes[1], -(-codes[1] // (132 * 128 * 128))]
 
 
-def test_attention_prefetch_budget_plan_takes_projections_in_order_up_to_the_budget():
-    from lodestar.kernels import triton_quant as tq
-    o_codes, o_d, gu_codes, gu_d = (1 << 20, 8 << 20), (1 << 30, 1 << 20), (3 << 30, 64 << 20), (5 << 30, 8 << 20)
-    lanes = 528 * 128
-    args = tq.budget_plan([[o_d, o_codes], [gu_codes, gu_d]], 12 << 20, lanes)
-    assert len(args) == 3 * tq.ATTN_PREFETCH_RANGES
-    triples = [tuple(args[i:i + 3]) for i in range(0, len(args), 3)]
-    # o whole (largest array first), then the first 3 MiB of gate|up's codes; nothing of its scales
-    assert [t[:2] for t in triples] == [o_codes, o_d, (gu_codes[0], 3 << 20), (0, 0)]
-    for _, n, chunk in triples[:3]:
-        assert chunk % 16 == 0 and n <= chunk * lanes < n + 16 * lanes
-    # a budget smaller than the first array: its first bytes (multiples of 16), nothing else
-    args = tq.budget_plan([[o_codes, o_d]], 1000, lanes, form=128)
-    assert args[:3] == (o_codes[0], 992, 1) and not any(args[3:])
-    # unaligned arrays are skipped; at most ATTN_PREFETCH_RANGES ranges
-    args = tq.budget_plan([[(o_codes[0] + 8, 4096)], [(a << 12, 4096) for a in range(1, 9)]], 1 << 40, lanes)
-    assert args[0] == 1 << 12 and all(args[i] for i in range(0, 12, 3))
-
-
-def test_attention_prefetch_budget_setting(monkeypatch):
-    from lodestar.kernels import triton_quant as tq
-    from lodestar.layers.cuda_linear import attention_prefetch_arrays
-    monkeypatch.delenv("LODESTAR_ATTN_WEIGHT_PREFETCH", raising=False)
-    assert tq.attention_prefetch_budget() == int(float(tq.ATTN_WEIGHT_PREFETCH_DEFAULT_MB) * (1 << 20))
-    monkeypatch.setenv("LODESTAR_ATTN_WEIGHT_PREFETCH", "0")
-    assert tq.attention_prefetch_budget() == 0 and attention_prefetch_arrays(object()) is None
-    monkeypatch.setenv("LODESTAR_ATTN_WEIGHT_PREFETCH", "2.5")
-    assert tq.attention_prefetch_budget() == 5 << 19
-    assert attention_prefetch_arrays(object()) is None          # nothing with GPU weights
-    cpu = [[torch.zeros(1 << 16, dtype=torch.uint8)]]
-    assert tq.attention_prefetch(cpu, 528, 128) == ((0,) * (3 * tq.ATTN_PREFETCH_RANGES), 0)  # CPU: never
-    for bad in ("-1", "lots"):
-        monkeypatch.setenv("LODESTAR_ATTN_WEIGHT_PREFETCH", bad)
-        with pytest.raises(ValueError, match="LODESTAR_ATTN_WEIGHT_PREFETCH"):
-            tq.attention_prefetch_budget()
-
-
 def test_weight_prefetch_limit_and_where_it_applies(monkeypatch):
     from lodestar.kernels import triton_quant as tq
     monkeypatch.delenv("LODESTAR_WEIGHT_PREFETCH", raising=False)
