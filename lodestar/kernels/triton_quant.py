@@ -652,7 +652,11 @@ def graph_buffers(cache: dict, device: torch.device, need: int, minimum: int, si
 # asks compete with the previous projection's own stream (Q4_0 16 MB: 491.6 line, 494.9
 # sector, 500.9 bulk). Hence the default: projections of up to 4 MiB only, which no 8B
 # projection is (run 34, same tokens, off -> default: SmolLM2 F16 1,661.5 -> 1,714.8 tok/s;
-# 8B Q4_0 517.0 / 517.6, Q4_K 509.9 / 509.1, F16 256.3 / 256.2).
+# 8B Q4_0 517.0 / 517.6, Q4_K 509.9 / 509.1, F16 256.3 / 256.2). Asked by decode attention
+# instead (before its wait; at 8B it launches when the q|k|v kernel ends, so nothing else
+# streams then): o's weights whole, then gate|up's first bytes, up to 10 / 24 / 40 MiB (run 42,
+# same tokens): Q4_0 522.3 -> 513.0 / 508.9 / 500.9 tok/s, Q4_K 512.4 -> 506.1 / 506.0 / 506.5
+# (removed): the asks occupy the SMs' load paths that the latency-bound kernels use.
 PREFETCH_RANGES = 3             # the largest arrays of a projection (codes, then scales)
 WEIGHT_PREFETCH_DEFAULT_MB = "4"
 PREFETCH_FORMS = {"bulk": 1, "line": 128, "sector": 32}     # the kernels' PF constexpr
