@@ -1070,6 +1070,91 @@ def prefill_profile(engine, length: int) -> dict:
             "top_kernels_ms": {k: {"ms": round(v[0] / 1e3, 3), "calls": v[1]} for k, v in top}}
 
 
+PREFILL_ATTN_CASES = {  # name -> (context lengths, new tokens): 8B geometry, bf16
+    "fresh_512": ([512], [512]),
+    "fresh_4096": ([4096], [4096]),
+    "prefix_3584+512": ([4096], [512]),
+    "prefix_7680+512": ([8192], [512]),
+    "batch_32x128": ([128] * 32, [128] * 32),
+    "varlen_8": ([300, 1500, 128, 900, 2048, 77, 640, 1024], [300, 200, 128, 1, 512, 77, 64, 256]),
+}
+
+
+def stage_prefillattn(r: Results) -> None:
+    """Prefill attention alone, Llama-3.1-8B geometry (32 query heads, 8 kv heads, head dim
+    128, bf16, scattered 16-token blocks): the paged varlen kernel (``paged_prefill``)
+    against the SDPA forms (``LODESTAR_PREFILL_ATTN=sdpa``: one fresh sequence, torch's causal
+    flash kernel; otherwise keys gathered per sequence, padded, masked), ms per call (CUDA
+    events, 20 calls after 3), and the largest difference between their outputs; then an 8B
+    F16 engine's time to the first token of 32 prompts of 128 tokens, both ways."""
+    from lodestar.kernels import triton_attention as ta
+    from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
+    Hq, Hk, D, bs = 32, 8, 128, 16
+    scale = D ** -0.5
+
+    def timed(fn) -> dict:
+        for _ in range(3):
+            fn()
+        ms = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ms.append(a.elapsed_time(b))
+        return stat(ms, 4)
+
+    for name, (lens, qlens) in PREFILL_ATTN_CASES.items():
+        def cell(lens=lens, qlens=qlens):
+            g = torch.Generator().manual_seed(SEED)
+            need = [-(-n // bs) for n in lens]
+            blocks = sum(need) + 1
+            perm = torch.randperm(blocks, generator=g).tolist()
+            tables, at = [], 0
+            for n in need:
+                tables.append(perm[at:at + n])
+                at += n
+            kc = (torch.randn(blocks * bs, Hk, D, generator=g) * 0.5).to(torch.bfloat16).cuda()
+            vc = torch.randn(blocks * bs, Hk, D, generator=g).to(torch.bfloat16).cuda()
+            q = torch.randn(sum(qlens), Hq, D, generator=g).to(torch.bfloat16).cuda()
+            batch = AttentionBatch.build(tables, lens, qlens, bs)
+            batch.gpu = GpuAttentionMeta(batch.slot_mapping.cuda(), batch.block_tables.to(torch.int32).cuda(),
+                                         batch.seq_lens.to(torch.int32).cuda(), ta.num_partitions(max(lens)), 1)
+            os.environ["LODESTAR_PREFILL_ATTN"] = "sdpa"
+            try:
+                sdpa = timed(lambda: ta.prefill_attention(q, kc, vc, batch, scale))
+                want = ta.prefill_attention(q, kc, vc, batch, scale).float()
+            finally:
+                os.environ.pop("LODESTAR_PREFILL_ATTN", None)
+            g_ = batch.gpu
+
+            def kernel():
+                return ta.paged_prefill(q, kc, vc, g_.block_tables, g_.seq_lens, batch.query_start_loc,
+                                        batch.query_lens_list, bs, scale, cache=batch._cache)
+            paged = timed(kernel)
+            diff = float((kernel().float() - want).abs().max())
+            return {"new_tokens": sum(qlens), "context_tokens": sum(lens), "sdpa_ms": sdpa, "paged_kernel_ms": paged,
+                    "sdpa_over_paged": round(sdpa["median"] / paged["median"], 3), "max_abs_diff": round(diff, 5)}
+        r.cell(f"prefill_attention/{name}", cell, 20)
+    engine, _, _ = synthetic_engine("llama-3.1-8b", "F16", max_len=4096)
+    vocab = engine.loaded.config.vocab_size
+    batch32 = prompts(32, 128, vocab, seed=SEED + 32)
+    for mode in ("sdpa", "paged"):
+        def ttft(mode=mode):
+            os.environ["LODESTAR_PREFILL_ATTN"] = mode
+            try:
+                timed_generate(engine, batch32, 1)
+                runs = [timed_generate(engine, batch32, 1)["ttft_s"] * 1e3 for _ in range(5)]
+            finally:
+                os.environ.pop("LODESTAR_PREFILL_ATTN", None)
+            return {"prompts": 32, "prompt_tokens": 128, "ttft_ms": stat(runs, 2),
+                    "prefill_tok_s": round(32 * 128 / (statistics.median(runs) / 1e3), 1)}
+        r.cell(f"llama-3.1-8b-F16/ttft_32x128/{mode}", ttft, 40)
+    del engine
+    release()
+
+
 def stage_densegemv(r: Results) -> None:
     """Decode with bf16 weights, the layers' Triton matrix-vector kernel off vs on
     (``LODESTAR_DENSE_GEMV=0/1``, one engine each): decode tok/s, and whether greedy tokens
@@ -1251,7 +1336,7 @@ STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
           "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill,
           "gemvform": stage_gemvform, "ab": stage_ab, "hostprof": stage_hostprof,
-          "prefillgraph": stage_prefillgraph}
+          "prefillgraph": stage_prefillgraph, "prefillattn": stage_prefillattn}
 
 
 def main(argv: list[str] | None = None) -> int:

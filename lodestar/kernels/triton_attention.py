@@ -79,6 +79,7 @@ SHORT_PARTITION = 64    # keys per partition when the visible context is at most
 SHORT_CONTEXT = 1024
 BLOCK_N = 64        # keys per inner step
 REDUCE_CHUNK = 16   # partials combined per step of the reduce kernel
+PREFILL_BLOCK_N = 64    # keys per inner step of the prefill kernel
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # window passed to the kernels when every key is visible
 # Kernels run in Triton's interpreter (which then also runs them on CUDA tensors): loop
@@ -283,15 +284,36 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 # --------------------------------------------------------------------------- prefill
 
+def prefill_kernel_mode() -> str:
+    """Which prefills run the paged varlen kernel (``_prefill_kernel``), env
+    ``LODESTAR_PREFILL_ATTN`` (read at each call): unset or ``paged``, every prefill but one
+    sequence with no cached prefix (that one runs torch's causal flash kernel over its own
+    keys, as prefill graphs capture it); ``sdpa``, none (keys gathered per sequence, padded,
+    masked SDPA)."""
+    env = os.environ.get("LODESTAR_PREFILL_ATTN", "paged").strip() or "paged"
+    if env not in ("paged", "sdpa"):
+        raise ValueError(f"LODESTAR_PREFILL_ATTN={env!r}; use paged or sdpa")
+    return env
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, scale: float,
                       window: int | None = None) -> torch.Tensor:
-    """Attention of all new queries ``q [T, Hq, D]`` (their K/V already written to the pool)."""
+    """Attention of all new queries ``q [T, Hq, D]`` (their K/V already written to the pool).
+
+    One sequence with no cached prefix (within the window) runs torch's causal SDPA over its
+    own keys (flash kernel, GQA without copies); other steps run ``paged_prefill`` (see
+    ``prefill_kernel_mode``)."""
     T, Hq, D = q.shape
     Hk = k_cache.shape[1]
+    fresh = batch.num_seqs == 1 and batch.seq_lens_list[0] == T and (not window or T <= window)
+    if not fresh and prefill_kernel_mode() == "paged":
+        g = batch.gpu
+        return paged_prefill(q, k_cache, v_cache, g.block_tables, g.seq_lens, batch.query_start_loc,
+                             batch.query_lens_list, batch.block_size, scale, window, cache=batch._cache)
     plan = _device_plan(batch, q.device, window)
     k = k_cache[plan["context_slots"]].transpose(1, 2)                           # [S, Hk, Lk, D]
     v = v_cache[plan["context_slots"]].transpose(1, 2)
-    if batch.num_seqs == 1 and batch.seq_lens_list[0] == T and (not window or T <= window):
+    if fresh:
         # no cached prefix: plain causal attention (flash kernel, GQA without copies)
         qp = q.transpose(0, 1).unsqueeze(0)                                     # [1, Hq, T, D]
         out = F.scaled_dot_product_attention(qp, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
@@ -305,6 +327,91 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                          scale=scale)
     out = out.transpose(1, 2)                                                    # [S, Lq, Hq, D]
     return out.reshape(-1, Hq, out.shape[-1])[plan["q_flat"]]
+
+
+def prefill_rows(G: int, D: int) -> tuple[int, int]:
+    """(query tokens, padded heads) of one ``_prefill_kernel`` program: the GQA group's query
+    heads padded to a power of two, times enough tokens for 128 rows (64 for head dims
+    above 128)."""
+    g_pad = 1 << (G - 1).bit_length()
+    rows = 128 if D <= 128 else 64
+    return max(1, rows // g_pad), g_pad
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, query_lens: list[int],
+                  block_size: int, scale: float, window: int | None = None, cache: dict | None = None,
+                  ) -> torch.Tensor:
+    """Causal attention of varlen new tokens over the paged KV pool, one kernel.
+
+    ``q [T, Hq, D]``: sequence s's ``query_lens[s]`` new tokens start at row
+    ``query_start_loc[s]`` (host tensor, [S + 1]) and are its last ones: token i sees keys
+    ``0 .. L - n + i`` (``L = seq_lens[s]``, device int32; within ``window`` keys when set),
+    read through ``block_tables`` (device int32 [S, W]); their K/V are in the pool already.
+    A program takes ``prefill_rows`` tokens of one sequence and the G query heads of one kv
+    head (K/V read once for the group) and walks the visible keys in blocks of
+    ``PREFILL_BLOCK_N`` counted from key 0 (a row's result does not depend on which other
+    rows share its program, nor on how much of the context was cached before). ``cache``:
+    a dict kept for the step (the layers share the program map). Returns ``[T, Hq, D]``."""
+    T, Hq, D = q.shape
+    Hk = k_cache.shape[1]
+    G = Hq // Hk
+    bm, g_pad = prefill_rows(G, D)
+    key = ("prefill_map", bm)
+    plan = cache.get(key) if cache is not None else None
+    if plan is None:
+        seqs, starts = [], []
+        for s, n in enumerate(query_lens):
+            for t0 in range(0, n, bm):
+                seqs.append(s)
+                starts.append(t0)
+        m = torch.tensor([seqs, starts], dtype=torch.int32).to(q.device, non_blocking=True)
+        qs = query_start_loc.to(torch.int32).to(q.device, non_blocking=True)
+        plan = (m, qs, len(seqs))
+        if cache is not None:
+            cache[key] = plan
+    m, qs, n_prog = plan
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(T, Hq, D, device=q.device, dtype=q.dtype)
+    if n_prog == 0:
+        return out
+    win = int(window) if window else NO_WINDOW
+    is_f32 = q.dtype == torch.float32
+    _prefill_kernel[(n_prog, Hk)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, qs, m[0], m[1],
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), scale * LOG2E, win,
+        G=G, G_PAD=g_pad, BM=bm, D=D, BS=block_size, BLOCK_N=PREFILL_BLOCK_N, IS_F32=is_f32,
+        DOT_F32=interpreted(), INTERP=_INTERP, num_warps=4 if D <= 128 else 8)
+    return out
+
+
+def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int, scale: float,
+                      window: int | None = None) -> torch.Tensor:
+    """Torch reference of ``paged_prefill``: per sequence, gather its keys, mask, fp32 softmax."""
+    T, Hq, D = q.shape
+    Hk = k_cache.shape[1]
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, L in enumerate(seq_lens.tolist()):
+        q0, q1 = starts[s], starts[s + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        j = torch.arange(L, device=q.device)
+        slots = block_tables[s].long()[j // block_size] * block_size + j % block_size
+        k = k_cache[slots].float().repeat_interleave(Hq // Hk, dim=1)            # [L, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(Hq // Hk, dim=1)
+        pos = torch.arange(L - n, L, device=q.device)
+        valid = j[None, :] <= pos[:, None]
+        if window:
+            valid &= j[None, :] > pos[:, None] - window
+        sc = torch.einsum("thd,khd->htk", q[q0:q1].float(), k) * scale
+        sc = sc.masked_fill(~valid[None], float("-inf"))
+        out[q0:q1] = torch.einsum("htk,khd->thd", torch.softmax(sc, dim=-1), v).to(q.dtype)
+    return out
 
 
 def _device_plan(batch, device: torch.device, window: int | None) -> dict:
@@ -579,3 +686,75 @@ if triton_enabled():
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, y)
         if QUANT:   # from the stored (rounded) values, exactly as quantize_x would read them
             _quant_store(words_ptr, d1_ptr, sums_ptr, y, b.to(tl.int64), h * (D // 32), Hq * D, D)
+
+    @triton.jit
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, qs_ptr, pseq_ptr, pstart_ptr,
+                        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
+                        stride_tb, qk_scale, window,
+                        G: tl.constexpr, G_PAD: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                        BS: tl.constexpr, BLOCK_N: tl.constexpr, IS_F32: tl.constexpr, DOT_F32: tl.constexpr,
+                        INTERP: tl.constexpr):
+        """Program (map entry, kv head): tokens ``pstart .. pstart + BM`` of sequence ``pseq``,
+        query heads ``kvh * G ..`` (rows: token r // G_PAD, head r % G_PAD; padding rows are
+        computed over a valid key range and not stored). Online softmax in base 2 over the
+        visible keys, blocks of BLOCK_N from key 0 (fully masked blocks add exact zeros)."""
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.load(pseq_ptr + pid)
+        t0 = tl.load(pstart_ptr + pid)
+        q0 = tl.load(qs_ptr + s)
+        n = tl.load(qs_ptr + s + 1) - q0
+        L = tl.load(lens_ptr + s)
+        ROWS: tl.constexpr = BM * G_PAD
+        r = tl.arange(0, ROWS)
+        tok = t0 + r // G_PAD
+        hg = r % G_PAD
+        valid = (tok < n) & (hg < G)
+        pos = L - n + tl.minimum(tok, n - 1)                   # absolute position of each row's token
+        head = kvh * G + tl.minimum(hg, G - 1)
+        offs_d = tl.arange(0, D)
+        q_rows = q_ptr + (q0 + tl.minimum(tok, n - 1)).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+        q = tl.load(q_rows[:, None] + offs_d[None, :])
+        if DOT_F32:
+            q = q.to(tl.float32)
+        p_lo = L - n + t0                                      # the program's first and last positions
+        p_hi = L - n + tl.minimum(t0 + BM, n) - 1
+        lo = tl.maximum(p_lo - window + 1, 0)
+        hi = p_hi + 1
+        table = tables_ptr + s.to(tl.int64) * stride_tb
+        k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        for j0 in range(_loop_bound(lo // BLOCK_N * BLOCK_N, INTERP), _loop_bound(hi, INTERP), BLOCK_N):
+            offs_j = j0 + tl.arange(0, BLOCK_N)
+            mask_j = offs_j < hi
+            blk = tl.load(table + offs_j // BS, mask=mask_j, other=0)
+            slot = blk.to(tl.int64) * BS + offs_j % BS
+            k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=mask_j[:, None], other=0.0)
+            v = tl.load(v_head + slot[:, None] * stride_vs + offs_d[None, :], mask=mask_j[:, None], other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if IS_F32:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = sc * qk_scale
+            see = (offs_j[None, :] <= pos[:, None]) & (offs_j[None, :] > pos[:, None] - window)
+            sc = tl.where(see, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that see nothing yet: add zeros
+            alpha = tl.exp2(m_i - m_use)
+            pr = tl.exp2(sc - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            if IS_F32:
+                pv = tl.dot(pr, v, input_precision="ieee")
+            else:
+                pv = tl.dot(pr.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_rows = o_ptr + (q0 + tl.minimum(tok, n - 1)).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])

@@ -89,6 +89,82 @@ def test_prefill_matches_cpu_path(lens, qlens, window):
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
 
 
+PREFILL_CASES = [  # (Hq, Hk, D, context lengths, new tokens, window, dtype)
+    pytest.param(9, 3, 64, [300, 40, 97], [300, 1, 20], None, torch.bfloat16, id="smollm-gqa3-mixed"),
+    pytest.param(32, 8, 128, [130, 700], [130, 65], None, torch.bfloat16, id="llama8b-prefix"),
+    pytest.param(8, 2, 128, [150, 400], [150, 37], 64, torch.float32, id="window-fp32"),
+    pytest.param(4, 1, 256, [600], [77], 512, torch.bfloat16, id="gemma-d256-window"),
+]
+
+
+@pytest.mark.parametrize("hq,hk,d,lens,qlens,window,dtype", PREFILL_CASES)
+def test_paged_prefill_matches_reference(hq, hk, d, lens, qlens, window, dtype):
+    """Varlen causal attention over the paged pool (scattered blocks, cached prefixes, GQA,
+    windows) against gather + fp32 softmax."""
+    dev = kernel_device()
+    blocks = max(100, len(lens) * (-(-max(lens) // BS) + 1))
+    kc, vc = _pool(blocks, hk, d, dtype, dev, seed=4)
+    tables = _tables(lens, blocks, 1, seed=4).to(dev)
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0] + qlens).cumsum(0)
+    q = torch.randn(sum(qlens), hq, d, generator=torch.Generator().manual_seed(5)).to(dtype).to(dev)
+    got = ta.paged_prefill(q, kc, vc, tables, sl, qsl, qlens, BS, d ** -0.5, window).float()
+    want = ta.paged_prefill_ref(q, kc, vc, tables, sl, qsl, BS, d ** -0.5, window).float()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_paged_prefill_rows_do_not_depend_on_cached_prefix_or_batch():
+    """A token's output is the same bits whether the context before it was cached or fed in
+    the same step, and whatever other sequences share the step."""
+    dev = kernel_device()
+    hq, hk, d = 8, 2, 64
+    kc, vc = _pool(120, hk, d, torch.bfloat16, dev, seed=6)
+    tables = _tables([500, 300], 120, 1, seed=6).to(dev)
+    q = torch.randn(500, hq, d, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(dev)
+
+    def run(lens, qlens, rows):
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        qsl = torch.tensor([0] + qlens).cumsum(0)
+        return ta.paged_prefill(q[rows], kc, vc, tables[: len(lens)], sl, qsl, qlens, BS, 0.125)
+
+    whole = run([500], [500], torch.arange(500))
+    cached = run([500], [123], torch.arange(377, 500))                 # 377 keys cached before
+    assert torch.equal(cached, whole[377:])
+    other = torch.arange(200, 230)
+    both = run([500, 300], [123, 30], torch.cat([torch.arange(377, 500), other]))
+    assert torch.equal(both[:123], whole[377:])
+
+
+def test_prefill_kernel_setting(monkeypatch):
+    monkeypatch.delenv("LODESTAR_PREFILL_ATTN", raising=False)
+    assert ta.prefill_kernel_mode() == "paged"
+    monkeypatch.setenv("LODESTAR_PREFILL_ATTN", "sdpa")
+    assert ta.prefill_kernel_mode() == "sdpa"
+    monkeypatch.setenv("LODESTAR_PREFILL_ATTN", "flash")
+    with pytest.raises(ValueError, match="LODESTAR_PREFILL_ATTN"):
+        ta.prefill_kernel_mode()
+    assert ta.prefill_rows(4, 128) == (32, 4) and ta.prefill_rows(3, 64) == (32, 4)
+    assert ta.prefill_rows(1, 256) == (64, 1) and ta.prefill_rows(16, 128) == (8, 16)
+
+
+@pytest.mark.parametrize("mode", ["paged", "sdpa"])
+def test_prefill_paths_agree(mode, monkeypatch):
+    """Both prefill forms of ``paged_attention`` on a step with cached prefixes and a
+    single-token row equal the CPU path (fp32)."""
+    monkeypatch.setenv("LODESTAR_PREFILL_ATTN", mode)
+    dev = kernel_device()
+    lens, qlens = [260, 33, 90], [60, 1, 90]
+    kc, vc = _pool(100, 2, 64, torch.float32, "cpu", seed=8)
+    tables = _tables(lens, 100, 0, seed=8)
+    q = torch.randn(sum(qlens), 6, 64, generator=torch.Generator().manual_seed(9))
+    cpu = _batch(lens, qlens, tables, "cpu")
+    cpu.gpu = None
+    want = paged_attention(q, kc, vc, cpu, 0.125, 50)
+    got = paged_attention(q.to(dev), kc.to(dev), vc.to(dev), _batch(lens, qlens, tables, dev), 0.125, 50)
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+
+
 # ------------------------------------------------------------------ decode fusions
 
 def _rope_tables(d: int, n: int, dev: str):
