@@ -1075,6 +1075,8 @@ PREFILL_ATTN_CASES = {  # name -> (context lengths, new tokens): 8B geometry, bf
     "fresh_4096": ([4096], [4096]),
     "prefix_3584+512": ([4096], [512]),
     "prefix_7680+512": ([8192], [512]),
+    "prefix_15872+512": ([16384], [512]),
+    "prefix_32256+512": ([32768], [512]),
     "batch_32x128": ([128] * 32, [128] * 32),
     "varlen_8": ([300, 1500, 128, 900, 2048, 77, 640, 1024], [300, 200, 128, 1, 512, 77, 64, 256]),
 }
@@ -1086,7 +1088,9 @@ def stage_prefillattn(r: Results) -> None:
     against the SDPA forms (``LODESTAR_PREFILL_ATTN=sdpa``: one fresh sequence, torch's causal
     flash kernel; otherwise keys gathered per sequence, padded, masked), ms per call (CUDA
     events, 20 calls after 3), and the largest difference between their outputs; then an 8B
-    F16 engine's time to the first token of 32 prompts of 128 tokens, both ways."""
+    F16 engine's time to the first token of 32 prompts of 128 tokens, both ways
+    (``LODESTAR_PREFILL_ATTN_CASES``: the names of ``PREFILL_ATTN_CASES`` to run, and no engine;
+    unset: all of them and the engine)."""
     from lodestar.kernels import triton_attention as ta
     from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
     Hq, Hk, D, bs = 32, 8, 128, 16
@@ -1105,7 +1109,11 @@ def stage_prefillattn(r: Results) -> None:
             ms.append(a.elapsed_time(b))
         return stat(ms, 4)
 
+    only = os.environ.get("LODESTAR_PREFILL_ATTN_CASES", "").split()
     for name, (lens, qlens) in PREFILL_ATTN_CASES.items():
+        if only and name not in only:
+            continue
+
         def cell(lens=lens, qlens=qlens):
             g = torch.Generator().manual_seed(SEED)
             need = [-(-n // bs) for n in lens]
@@ -1137,6 +1145,8 @@ def stage_prefillattn(r: Results) -> None:
             return {"new_tokens": sum(qlens), "context_tokens": sum(lens), "sdpa_ms": sdpa, "paged_kernel_ms": paged,
                     "sdpa_over_paged": round(sdpa["median"] / paged["median"], 3), "max_abs_diff": round(diff, 5)}
         r.cell(f"prefill_attention/{name}", cell, 20)
+    if only:
+        return
     engine, _, _ = synthetic_engine("llama-3.1-8b", "F16", max_len=4096)
     vocab = engine.loaded.config.vocab_size
     batch32 = prompts(32, 128, vocab, seed=SEED + 32)
