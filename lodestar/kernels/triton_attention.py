@@ -551,6 +551,33 @@ if triton_enabled():
             _prefetch_l2(v_ptr + kvh.to(tl.int64) * stride_vh + slot[:, None] * stride_vs + sectors[None, :])
 
     @triton.jit
+    def _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks, stride_vs, qk_scale, BS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, IS_F32: tl.constexpr, DOT_F32: tl.constexpr):
+        """Keys ``j0 .. j0 + BLOCK_N`` (below ``hi``) of one kv head through the block table:
+        (key indices, their mask, scaled scores ``q @ k.T`` in base 2, the values tile)."""
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        mask_j = offs_j < hi
+        blk = tl.load(table + offs_j // BS, mask=mask_j, other=0)
+        slot = blk.to(tl.int64) * BS + offs_j % BS
+        k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=mask_j[:, None], other=0.0)
+        v = tl.load(v_head + slot[:, None] * stride_vs + offs_d[None, :], mask=mask_j[:, None], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IS_F32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        return offs_j, mask_j, s * qk_scale, v
+
+    @triton.jit
+    def _weighted(pr, v, IS_F32: tl.constexpr):
+        """``pr @ v`` (probabilities rounded to the values' dtype first unless fp32)."""
+        if IS_F32:
+            return tl.dot(pr, v, input_precision="ieee")
+        return tl.dot(pr.to(v.dtype), v)
+
+    @triton.jit
     def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, po_ptr, pm_ptr, pl_ptr,
                                stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
                                qk_scale, window, max_parts,
@@ -631,29 +658,14 @@ if triton_enabled():
             l_i = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
             for j0 in range(_loop_bound(lo, INTERP), _loop_bound(hi, INTERP), BLOCK_N):
-                offs_j = j0 + tl.arange(0, BLOCK_N)
-                mask_j = offs_j < hi
-                blk = tl.load(table + offs_j // BS, mask=mask_j, other=0)
-                slot = blk.to(tl.int64) * BS + offs_j % BS
-                k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=mask_j[:, None], other=0.0)
-                v = tl.load(v_head + slot[:, None] * stride_vs + offs_d[None, :], mask=mask_j[:, None], other=0.0)
-                if DOT_F32:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                if IS_F32:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = s * qk_scale
+                offs_j, mask_j, s, v = _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks, stride_vs,
+                                                     qk_scale, BS, BLOCK_N, IS_F32, DOT_F32)
                 s = tl.where(mask_j[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
                 pr = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(pr, 1)
-                if IS_F32:
-                    pv = tl.dot(pr, v, input_precision="ieee")
-                else:
-                    pv = tl.dot(pr.to(v.dtype), v)
+                pv = _weighted(pr, v, IS_F32)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
             idx = part_base + p
@@ -737,20 +749,8 @@ if triton_enabled():
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
         for j0 in range(_loop_bound(lo // BLOCK_N * BLOCK_N, INTERP), _loop_bound(hi, INTERP), BLOCK_N):
-            offs_j = j0 + tl.arange(0, BLOCK_N)
-            mask_j = offs_j < hi
-            blk = tl.load(table + offs_j // BS, mask=mask_j, other=0)
-            slot = blk.to(tl.int64) * BS + offs_j % BS
-            k = tl.load(k_head + slot[:, None] * stride_ks + offs_d[None, :], mask=mask_j[:, None], other=0.0)
-            v = tl.load(v_head + slot[:, None] * stride_vs + offs_d[None, :], mask=mask_j[:, None], other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if IS_F32:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            sc = sc * qk_scale
+            offs_j, mask_j, sc, v = _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks, stride_vs,
+                                                  qk_scale, BS, BLOCK_N, IS_F32, DOT_F32)
             see = (offs_j[None, :] <= pos[:, None]) & (offs_j[None, :] > pos[:, None] - window)
             sc = tl.where(see, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -758,10 +758,7 @@ if triton_enabled():
             alpha = tl.exp2(m_i - m_use)
             pr = tl.exp2(sc - m_use[:, None])
             l_i = l_i * alpha + tl.sum(pr, 1)
-            if IS_F32:
-                pv = tl.dot(pr, v, input_precision="ieee")
-            else:
-                pv = tl.dot(pr.to(v.dtype), v)
+            pv = _weighted(pr, v, IS_F32)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / l_i[:, None]
