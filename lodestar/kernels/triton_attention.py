@@ -369,12 +369,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     key = ("prefill_map", bm)
     plan = cache.get(key) if cache is not None else None
     if plan is None:
-        seqs, starts = [], []
-        for s, n in enumerate(query_lens):
-            for t0 in range(0, n, bm):
-                seqs.append(s)
-                starts.append(t0)
-        m = torch.tensor([seqs, starts], dtype=torch.int32).to(q.device, non_blocking=True)
+        blocks = -(-torch.tensor(query_lens, dtype=torch.int64) // bm)           # programs per sequence
+        seqs = torch.repeat_interleave(torch.arange(len(query_lens)), blocks)
+        first = torch.cumsum(blocks, 0) - blocks                                  # each sequence's first program
+        starts = (torch.arange(len(seqs)) - first[seqs]) * bm
+        m = torch.stack([seqs, starts]).to(torch.int32).to(q.device, non_blocking=True)
         qs = query_start_loc.to(torch.int32).to(q.device, non_blocking=True)
         plan = (m, qs, len(seqs))
         if cache is not None:
