@@ -577,6 +577,23 @@ if triton_enabled():
         return tl.dot(pr.to(v.dtype), v)
 
     @triton.jit
+    def _softmax_step(m_i, l_i, acc, s, v, IS_F32: tl.constexpr, UNSEEN: tl.constexpr):
+        """One block of the online softmax in base 2: scores ``s`` (masked keys -inf) and values
+        ``v`` folded into the running max, sum and weighted values; returns them. UNSEEN: rows
+        may have seen no key yet (all -inf so far): they add exact zeros."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if UNSEEN:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        pr = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        pv = _weighted(pr, v, IS_F32)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, po_ptr, pm_ptr, pl_ptr,
                                stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
                                qk_scale, window, max_parts,
@@ -660,13 +677,7 @@ if triton_enabled():
                 offs_j, mask_j, s, v = _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks, stride_vs,
                                                      qk_scale, BS, BLOCK_N, IS_F32, DOT_F32)
                 s = tl.where(mask_j[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                pr = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(pr, 1)
-                pv = _weighted(pr, v, IS_F32)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+                m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, IS_F32, False)
             idx = part_base + p
             tl.store(pm_ptr + idx, m_i, mask=mask_g)
             tl.store(pl_ptr + idx, l_i, mask=mask_g)
@@ -752,14 +763,7 @@ if triton_enabled():
                                                   qk_scale, BS, BLOCK_N, IS_F32, DOT_F32)
             see = (offs_j[None, :] <= pos[:, None]) & (offs_j[None, :] > pos[:, None] - window)
             sc = tl.where(see, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that see nothing yet: add zeros
-            alpha = tl.exp2(m_i - m_use)
-            pr = tl.exp2(sc - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            pv = _weighted(pr, v, IS_F32)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(m_i, l_i, acc, sc, v, IS_F32, True)
         out = acc / l_i[:, None]
         o_rows = o_ptr + (q0 + tl.minimum(tok, n - 1)).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
         tl.store(o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
