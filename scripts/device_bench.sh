@@ -118,6 +118,7 @@ bench ab 200
 bench hostprof 60
 bench prefillgraph 150
 bench prefillattn 150
+bench chain 120
 stage gemvvar 170 bash -c "$PY -m lodestar.bench.gemv_variants --budget \${GEMVVAR_BUDGET:-90} \${GEMVVAR_ONLY:+--only \$GEMVVAR_ONLY} \${GEMVVAR_QTYPES:+--qtypes \$GEMVVAR_QTYPES} > '$OUT/gemv-variants.json'"
 stage densevar 200 bash -c "$PY -m lodestar.bench.gemv_variants --dense --budget \${DENSEVAR_BUDGET:-120} > '$OUT/dense-variants.json'"
 bench densegemv 100

@@ -24,6 +24,8 @@ Stages:
   profile wall time per decode step (overlapped, and step by step) vs GPU time of its
           graph replay (host gap) and the per-kernel times of eager decode steps (SmolLM2
           F16, 8B F16, Q4_K and Q4_0)
+  chain   the decode step's kernel chain from graph replays under torch.profiler: per
+          kernel (and grid), how far it moved the end of the chain (LODESTAR_CHAIN_CELLS)
   fuse    decode fusions off vs on (LODESTAR_FUSE=0/1): same tokens and log-probabilities,
           decode tok/s (SmolLM2 and 8B, F16 and Q4_0; LODESTAR_FUSE_CELLS="geometry/type ...")
   dense   bf16 matrix-vector at M = 1: cuBLAS vs the Triton kernel (tiling sweep)
@@ -751,6 +753,104 @@ def stage_profile(r: Results) -> None:
 
 
 
+
+# ------------------------------------------------------------ decode chain, kernel by kernel
+
+def chain_trace(events: list[tuple[str, int, int]], replays: int) -> dict:
+    """Where a replayed decode step's time goes, from the device kernels of ``replays`` graph
+    replays as (key, start ns, end ns) in launch order: each kernel's *advance* is how far
+    it moved the end of the chain (its end minus the latest end before it, at least 0; with
+    dependent launch a kernel starts before the one ahead of it ends, so durations overlap
+    and do not add up, advances do: their sum per step is the step's span from the first
+    kernel's end). Per key: calls and advance per step, mean duration (start to end, which
+    includes the time a dependently launched kernel's blocks sat waiting) and mean advance
+    per call; sorted by advance per step."""
+    per_key: dict[str, list] = {}
+    spans = []
+    # replays are apart by the host's synchronize and launch: cut at the replays - 1 widest gaps
+    gaps, end = [], None
+    for i, (_, start, stop) in enumerate(events):
+        if end is not None:
+            gaps.append((start - end, i))
+        end = stop if end is None else max(end, stop)
+    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:max(0, replays - 1)])
+    bounds = [0, *cuts, len(events)]
+    steps = [events[a:b] for a, b in zip(bounds, bounds[1:])]
+    for step in steps:
+        last_end = None
+        for key, start, end in step:
+            adv = 0 if last_end is None else max(0, end - last_end)
+            rec = per_key.setdefault(key, [0, 0, 0])
+            rec[0] += 1
+            rec[1] += adv
+            rec[2] += end - start
+            last_end = end if last_end is None else max(last_end, end)
+        if step:
+            spans.append((last_end - step[0][1]) / 1e3)
+    rows = {k: {"calls_per_step": v[0] / replays, "advance_us_per_step": round(v[1] / 1e3 / replays, 1),
+                "advance_us_per_call": round(v[1] / 1e3 / v[0], 2), "duration_us_per_call": round(v[2] / 1e3 / v[0], 2)}
+            for k, v in per_key.items()}
+    rows = dict(sorted(rows.items(), key=lambda kv: -kv[1]["advance_us_per_step"]))
+    return {"kernels_per_step": [len(st) for st in steps], "traced_span_us": stat(spans) if spans else None, "kernels": rows}
+
+
+def _kernel_key(ev) -> str:
+    """A device kernel's name (shortened) and grid, so the projections that share a kernel
+    tell apart."""
+    import re
+    name = ev.name()
+    name = re.sub(r"^void |\(.*$", "", name)[:60]
+    grid = re.search(r'"grid":\s*\[([^\]]*)\]', ev.metadata_json() or "")
+    return f"{name} grid({grid.group(1).replace(' ', '')})" if grid else name
+
+
+def stage_chain(r: Results) -> None:
+    """The decode step's kernel chain as the GPU runs it: graph replays of one stream
+    (8B, prompt 128) under torch.profiler (CUPTI records each kernel of a replayed graph),
+    summarised by ``chain_trace``; with the untraced replay time of the same graph, to show
+    how much tracing perturbs it. ``LODESTAR_CHAIN_CELLS``: geometry/type cells."""
+    from torch.profiler import ProfilerActivity, profile
+    from lodestar.engine.sampling import SamplingParams
+    cells = [c.split("/") for c in os.environ.get(
+        "LODESTAR_CHAIN_CELLS", "llama-3.1-8b/Q4_0 llama-3.1-8b/F16").split()]
+    for geometry, qtype in cells:
+        def cell(geometry=geometry, qtype=qtype):
+            engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, max_seqs=1, kv_tokens=1024)
+            runner = engine.runner
+            params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            rid = engine.add_request(prompts(1, 128, engine.loaded.config.vocab_size)[0], params)
+            for _ in range(40):                      # prefill, then decode: graph for batch 1 captured
+                engine.step()
+            torch.cuda.synchronize()
+            g = runner.graphs[1]["graph"]
+            untraced = []
+            for _ in range(30):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                untraced.append(s.elapsed_time(e) * 1e3)
+            replays = 10
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(replays):
+                    g.replay()
+                    torch.cuda.synchronize()
+            evs = [ev for ev in prof.profiler.kineto_results.events()
+                   if ev.device_type() == torch.autograd.DeviceType.CUDA
+                   and not ev.name().startswith(("Memcpy", "Memset")) and ev.duration_ns() > 0]
+            evs.sort(key=lambda ev: ev.start_ns())
+            events = [(_kernel_key(ev), ev.start_ns(), ev.end_ns()) for ev in evs]
+            engine.abort(rid)
+            del engine, runner, g
+            release()
+            out = chain_trace(events, replays)
+            out["untraced_replay_us"] = stat(untraced)
+            out["traced_kernels"] = len(events)
+            return out
+        r.cell(f"{geometry}-{qtype}", cell, 40)
+
+
 # ------------------------------------------------------------------ decode fusions A/B
 
 def stage_fuse(r: Results) -> None:
@@ -1346,7 +1446,8 @@ STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
           "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill,
           "gemvform": stage_gemvform, "ab": stage_ab, "hostprof": stage_hostprof,
-          "prefillgraph": stage_prefillgraph, "prefillattn": stage_prefillattn}
+          "prefillgraph": stage_prefillgraph, "prefillattn": stage_prefillattn,
+          "chain": stage_chain}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,29 @@
+"""``gpu.chain_trace``: how far each kernel moved the end of a replayed decode chain."""
+from lodestar.bench.gpu import chain_trace
+
+
+def test_advances_add_up_to_the_span_and_overlap_is_not_counted_twice():
+    # two replays of: a (0-10), b starts early (5) and ends at 14, c (20-30), d inside c (22-25)
+    step = [("a", 0, 10_000), ("b", 5_000, 14_000), ("c", 20_000, 30_000), ("d", 22_000, 25_000)]
+    shifted = [(k, s + 100_000, e + 100_000) for k, s, e in step]
+    out = chain_trace(step + shifted, replays=2)
+    k = out["kernels"]
+    assert out["kernels_per_step"] == [4, 4]
+    assert k["a"]["advance_us_per_step"] == 0.0           # the first kernel only starts the chain
+    assert k["b"]["advance_us_per_step"] == 4.0           # 14 - 10
+    assert k["c"]["advance_us_per_step"] == 16.0          # 30 - 14, the gap before it included
+    assert k["d"]["advance_us_per_step"] == 0.0           # ends inside c
+    assert k["b"]["duration_us_per_call"] == 9.0
+    assert out["traced_span_us"]["median"] == 30.0
+    assert list(k)[0] == "c"                              # sorted by advance
+    total = sum(v["advance_us_per_step"] for v in k.values())
+    assert total == 30.0 - 10.0                           # span from the first kernel's end
+
+
+def test_repeated_keys_are_summed_per_step():
+    step = [("g", 0, 1_000), ("g", 1_000, 3_000), ("h", 2_000, 6_000)]
+    out = chain_trace(step, replays=1)
+    assert out["kernels"]["g"]["calls_per_step"] == 2
+    assert out["kernels"]["g"]["advance_us_per_step"] == 2.0
+    assert out["kernels"]["g"]["advance_us_per_call"] == 1.0
+    assert out["kernels"]["h"]["advance_us_per_step"] == 3.0
