@@ -756,7 +756,7 @@ def stage_profile(r: Results) -> None:
 
 # ------------------------------------------------------------ decode chain, kernel by kernel
 
-def chain_trace(events: list[tuple[str, int, int]], replays: int) -> dict:
+def chain_trace(events: list[tuple[str, int, int]], replays: int, layers: int = 0) -> dict:
     """Where a replayed decode step's time goes, from the device kernels of ``replays`` graph
     replays as (key, start ns, end ns) in launch order: each kernel's *advance* is how far
     it moved the end of the chain (its end minus the latest end before it, at least 0; with
@@ -764,7 +764,10 @@ def chain_trace(events: list[tuple[str, int, int]], replays: int) -> dict:
     and do not add up, advances do: their sum per step is the step's span from the first
     kernel's end). Per key: calls and advance per step, mean duration (start to end, which
     includes the time a dependently launched kernel's blocks sat waiting) and mean advance
-    per call; sorted by advance per step."""
+    per call; sorted by advance per step. With ``layers``, a key called ``m * layers + r``
+    times a step (m >= 2) is told apart by its place in the layer: ``key #i`` is its i-th
+    call of each layer (a layer's q|k|v, o, gate|up and down projections share one
+    kernel), ``key #+`` the r calls after the last layer."""
     per_key: dict[str, list] = {}
     spans = []
     # replays are apart by the host's synchronize and launch: cut at the replays - 1 widest gaps
@@ -777,6 +780,19 @@ def chain_trace(events: list[tuple[str, int, int]], replays: int) -> dict:
     bounds = [0, *cuts, len(events)]
     steps = [events[a:b] for a, b in zip(bounds, bounds[1:])]
     for step in steps:
+        if layers:
+            count: dict[str, int] = {}
+            for key, _, _ in step:
+                count[key] = count.get(key, 0) + 1
+            seen: dict[str, int] = {}
+            labelled = []
+            for key, start, end in step:
+                i, m = seen.get(key, 0), count[key] // layers
+                seen[key] = i + 1
+                if m >= 2:
+                    key = f"{key} #{i % m}" if i < m * layers else f"{key} #+"
+                labelled.append((key, start, end))
+            step = labelled
         last_end = None
         for key, start, end in step:
             adv = 0 if last_end is None else max(0, end - last_end)
@@ -823,6 +839,7 @@ def stage_chain(r: Results) -> None:
                 engine.step()
             torch.cuda.synchronize()
             g = runner.graphs[1]["graph"]
+            layers = engine.loaded.config.n_layers
             untraced = []
             for _ in range(30):
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -844,7 +861,8 @@ def stage_chain(r: Results) -> None:
             engine.abort(rid)
             del engine, runner, g
             release()
-            out = chain_trace(events, replays)
+            out = chain_trace(events, replays, layers)
+            out["metadata_example"] = evs[0].metadata_json()[:400] if evs else None
             out["untraced_replay_us"] = stat(untraced)
             out["traced_kernels"] = len(events)
             return out

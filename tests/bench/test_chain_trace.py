@@ -27,3 +27,19 @@ def test_repeated_keys_are_summed_per_step():
     assert out["kernels"]["g"]["advance_us_per_step"] == 2.0
     assert out["kernels"]["g"]["advance_us_per_call"] == 1.0
     assert out["kernels"]["h"]["advance_us_per_step"] == 3.0
+
+
+def test_a_kernel_called_several_times_a_layer_is_told_apart_by_its_place():
+    # two layers of (p, n, p) and a final p: p is called 2 * 2 + 1 times, n once a layer
+    step, t = [], 0
+    for _ in range(2):
+        for key, dur in (("p", 3_000), ("n", 1_000), ("p", 5_000)):
+            step.append((key, t, t + dur))
+            t += dur
+    step.append(("p", t, t + 2_000))
+    out = chain_trace(step, replays=1, layers=2)["kernels"]
+    assert set(out) == {"p #0", "p #1", "p #+", "n"}
+    assert out["p #0"]["calls_per_step"] == 2 and out["p #0"]["advance_us_per_step"] == 3.0   # first is 0
+    assert out["p #1"]["advance_us_per_step"] == 10.0
+    assert out["p #+"]["advance_us_per_step"] == 2.0
+    assert out["n"]["advance_us_per_step"] == 2.0
