@@ -167,6 +167,10 @@ class PendingNorm:
     def shape(self) -> torch.Size:
         return self.x.shape
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
     def materialize(self) -> torch.Tensor:
         """The norm as a tensor (for a consumer that cannot fuse it); fills ``h``."""
         from lodestar.kernels.triton_fused import rms_norm

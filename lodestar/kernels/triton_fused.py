@@ -226,13 +226,12 @@ if triton_enabled():
         _store_quant_groups(words_ptr, d1_ptr, sums_ptr, row * (D // 32) + g, g < D // 32, w1, w2, d1, sa, sb)
 
     @triton.jit
-    def _norm_store(x, cols, mask, rstd, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr, row, g0, D,
+    def _norm_store(x, cols, mask, rstd, w, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr, row, g0, D,
                     BLOCK: tl.constexpr, OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr):
-        """Write ``x`` (the residual sum) and its norm at ``cols`` (BLOCK of them, from column
-        ``32 * g0``) of row ``row``, quantized too with QUANT."""
+        """Write ``x`` (the residual sum) and its norm (weights ``w``, fp32) at ``cols`` (BLOCK
+        of them, from column ``32 * g0``) of row ``row``, quantized too with QUANT."""
         if HAS_RES:
             tl.store(res_out_ptr + row * D + cols, x, mask=mask)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = _rms_apply(x, rstd, w, OFFSET).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * D + cols, y, mask=mask)
         if QUANT:   # from the stored (rounded) values, exactly as quantize_x would read them
@@ -263,24 +262,29 @@ if triton_enabled():
     def _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                       B, sx0, sx1, sr0, sr1, eps, D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
                       OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
-        _pdl_enter(PDL)
+        """The norm weights of the program's columns are read before the wait (no kernel of a
+        step writes them), then the program's own slice and the whole row together (one round
+        trip to L2, not one before the row's scale and one after it)."""
         row = tl.program_id(0)
+        cs = tl.program_id(1) * SLICE + tl.arange(0, SLICE)          # this program's columns
+        ms = cs < D
+        w = tl.load(w_ptr + cs, mask=ms, other=0.0).to(tl.float32)
+        _pdl_enter(PDL)
         a = (row // B).to(tl.int64)
         b = (row % B).to(tl.int64)
         x_row = x_ptr + a * sx0 + b * sx1
         r_row = r_ptr + a * sr0 + b * sr1
-        cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        x = _residual_chunk(x_row, r_row, cols, mask, HAS_RES)
-        rstd = _rms_rstd(x.to(tl.float32), eps, D)
         if SLICE == BLOCK:
-            _norm_store(x, cols, mask, rstd, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
+            x = _residual_chunk(x_row, r_row, cs, ms, HAS_RES)
+            rstd = _rms_rstd(x.to(tl.float32), eps, D)
+            _norm_store(x, cs, ms, rstd, w, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                         row.to(tl.int64), 0, D, BLOCK, OFFSET, HAS_RES, QUANT)
         else:
-            cols = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
-            mask = cols < D
-            x = _residual_chunk(x_row, r_row, cols, mask, HAS_RES)
-            _norm_store(x, cols, mask, rstd, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
+            xs = _residual_chunk(x_row, r_row, cs, ms, HAS_RES)
+            cols = tl.arange(0, BLOCK)
+            x = _residual_chunk(x_row, r_row, cols, cols < D, HAS_RES)
+            rstd = _rms_rstd(x.to(tl.float32), eps, D)
+            _norm_store(xs, cs, ms, rstd, w, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                         row.to(tl.int64), tl.program_id(1) * (SLICE // 32), D, SLICE, OFFSET, HAS_RES, QUANT)
 
     @triton.jit

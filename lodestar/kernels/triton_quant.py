@@ -153,7 +153,7 @@ _PDL_DEVICE: bool | None = None
 
 
 FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "attn_quant",
-           "glu_epilogue", "qkv_rope")
+           "glu_epilogue", "qkv_rope", "quant_norm")
 # On unless LODESTAR_FUSE says otherwise. attn_rope and attn_reduce are left out: the H200
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
@@ -168,7 +168,8 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # qkv_rope joined after runs 39 and 41 (same tokens; the attention launch as ``qkv_rope_pdl``):
 # 8B Q4_0 515.8 -> 523.3 tok/s, Q4_K 510.2 -> 511.8, Llama-3.2-1B Q4_0 1,730.7 -> 1,742.1 (run
 # 41), SmolLM2-135M Q4_0 1,748.8 -> 1,798.5 (run 39).
-DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope")
+DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope",
+                   "quant_norm")
 
 
 def fusions() -> frozenset[str]:
@@ -187,7 +188,11 @@ def fusions() -> frozenset[str]:
     ``glu_epilogue``: a one-row dense gate|up projection applies the gated activation to its
     own output (no separate SiLU·mul kernel); ``qkv_rope``: a packed q|k|v projection on the
     word-tile kernel rotates q and k and stores k and v at the token's KV slot itself
-    (``quant_matmul(rope=...)``; no separate RoPE + KV-store kernel)."""
+    (``quant_matmul(rope=...)``; no separate RoPE + KV-store kernel); ``quant_norm``: a
+    packed projection whose tiling holds whole rows in one tile (``norm_prologue_ok``)
+    computes the RMSNorm (with its residual add) that feeds it and quantizes it in each
+    program's prologue (``quant_matmul`` of a ``triton_dense.PendingNorm``; no norm
+    kernel)."""
     env = os.environ.get("LODESTAR_FUSE", "").strip()
     if env in ("", "default"):
         return frozenset(DEFAULT_FUSIONS)
@@ -547,14 +552,22 @@ def _ptr_args(pw: PackedWeight) -> list[torch.Tensor]:
             pw.m if pw.m is not None else pw.d]
 
 
-def gemv_early(n: int, k: int) -> bool:
+def gemv_early(n: int, k: int, whole_rows: bool = False) -> bool:
     """Whether the word-tile matrix-vector kernel over an [n, k] weight loads its first tile's
     code words before it waits for the previous kernel (under dependent launch its programs
     are resident while that kernel runs, so the first weight read overlaps it; same bits
     either way). Env ``LODESTAR_GEMV_EARLY``: 1 always, 0 never, a comma list of shapes
     ``NxK`` (those weights only, e.g. ``4096x4096,6144x4096``), unset: weights with a side of
     at most ``GEMV_EARLY_MAX_DIM`` (every projection has the model width as a side, so: models
-    up to 2,048 wide; read at each call).
+    up to 2,048 wide), and tilings whose program holds whole rows in one tile
+    (``whole_rows``: no K split, all of a program's weights read before the wait; read at
+    each call).
+
+    H200, 8B one-stream decode, same tokens on every side. Run 50, whole rows in one tile
+    for o (32 rows, 8 warps; 128 programs) and q|k|v (16 rows, 4 warps): Q4_0 shipped tiles
+    (K splits) 524.0 tok/s; o whole 536.3, o and q|k|v whole 540.6 (run 49 without the
+    early load: o whole 509.7, o and q|k|v (32 rows) whole 498.8); Q4_K o whole 511.8 ->
+    515.1.
 
     H200, one-stream decode, same tokens on every side. Run 36, every weight early against
     none: SmolLM2-135M Q4_0 (width 576) 1,602.5 -> 1,733.4 tok/s, 8B Q4_0 (4,096) 515.6 ->
@@ -563,7 +576,7 @@ def gemv_early(n: int, k: int) -> bool:
     none 517.1, every weight 500.5, q|k|v and o only 515.2, down only 511.1."""
     env = os.environ.get("LODESTAR_GEMV_EARLY", "").strip()
     if env in ("", "0", "1"):
-        return env == "1" or (env == "" and min(n, k) <= GEMV_EARLY_MAX_DIM)
+        return env == "1" or (env == "" and (whole_rows or min(n, k) <= GEMV_EARLY_MAX_DIM))
     return (n, k) in _early_shapes(env)
 
 
@@ -807,19 +820,44 @@ def qkv_rope_pdl(k: int = 0) -> str:
 QKV_ROPE_EARLY_LAUNCH_MAX_K = 1024
 
 
-def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: torch.dtype | None = None,
+def norm_prologue_ok(pw: PackedWeight, rows: int, config: GemvConfig | None = None) -> bool:
+    """Whether ``quant_matmul`` of a ``triton_dense.PendingNorm`` over ``pw`` computes the norm
+    inside the word-tile kernel for ``rows`` rows: each program holds whole rows in one tile
+    (no K split, ``tile_groups * 32 == k``, a power of two), whole row blocks, a type with
+    16-weight half groups (not Q8_0)."""
+    if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.qtype == T.Q8_0:
+        return False
+    cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
+    return (cfg.words and cfg.split_k == 1 and cfg.tile_groups * GROUP == pw.k and pw.k & (pw.k - 1) == 0
+            and pw.n % cfg.block_n == 0)
+
+
+def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                  config: GemvConfig | None = None, rope: RopeStore | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
 
-    ``x`` may come quantized already (``QuantizedRows``). ``config`` replaces
+    ``x`` may come quantized already (``QuantizedRows``), or be a ``triton_dense.PendingNorm``
+    (bf16): computed and quantized in the kernel's prologue when ``norm_prologue_ok``, else
+    by the norm kernel first; the same bits either way. ``config`` replaces
     ``gemv_config(N, K)`` (tests and tuning). ``rope`` (fusion ``qkv_rope``, when
     ``rope_epilogue_ok``): the q and k columns of the result come out rotated at each row's
     position and k and v are also stored at each row's slot: the bits of this product, then
     ``triton_fused.rope_`` with the KV store."""
+    from lodestar.kernels.triton_dense import PendingNorm
+    norm = None
+    if isinstance(x, PendingNorm):
+        if x.x.dim() == 2 and x.x.dtype == torch.bfloat16 and norm_prologue_ok(pw, x.x.shape[0], config):
+            norm = x
+        else:
+            x = x.materialize()
     M, K = x.shape
     if K != pw.k:
         raise ValueError(f"x has {K} features, weight expects {pw.k}")
-    if isinstance(x, QuantizedRows):
+    if norm is not None:
+        out_dtype = out_dtype or norm.x.dtype
+        words = norm.x      # never read: the kernel quantizes the norm itself
+        d1 = sums = norm.weight
+    elif isinstance(x, QuantizedRows):
         out_dtype = out_dtype or x.x.dtype
         words, d1, sums = x.words, x.d1, x.sums
     else:
@@ -827,6 +865,12 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
         words, d1, sums = quantize_x(x.to(torch.bfloat16).contiguous())
     device = words.device
     cfg = config or gemv_config(pw.n, pw.k, device, pw.qtype)
+    if norm is not None:
+        nr = norm.residual if norm.residual is not None else norm.x
+        norm_c = dict(nx_ptr=norm.x, nr_ptr=nr, nw_ptr=norm.weight, h_ptr=norm.h, eps=norm.eps, NORM=True,
+                      NORM_RES=norm.residual is not None)
+    else:
+        norm_c = {}
     groups = pw.k // GROUP
     per_split = -(-groups // cfg.split_k)
     n_blocks = -(-pw.n // cfg.block_n)
@@ -859,7 +903,9 @@ def quant_matmul(x: torch.Tensor | QuantizedRows, pw: PackedWeight, out_dtype: t
                                  M * pw.n, *rope_args, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n,
                                  TG=cfg.tile_groups, GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k,
                                  LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
-                                 EVEN=even, EARLY=gemv_early(pw.n, pw.k), **rope_c, num_warps=cfg.num_warps,
+                                 EVEN=even,
+                                 EARLY=gemv_early(pw.n, pw.k, cfg.split_k == 1 and groups <= cfg.tile_groups), **rope_c,
+                                 **norm_c, num_warps=cfg.num_warps,
                                  **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
@@ -900,7 +946,7 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
-    from lodestar.kernels.triton_dense import _pdl_enter
+    from lodestar.kernels.triton_dense import _pdl_enter, _residual_chunk, _rms_apply, _rms_rstd
 
     @triton.jit
     def _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr):
@@ -1334,7 +1380,8 @@ if triton_enabled():
     def _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                     pid_m, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
                     QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                    GIVEN: tl.constexpr = False, w_given=0):
+                    GIVEN: tl.constexpr = False, w_given=0, XGIVEN: tl.constexpr = False, xw1=0, xw2=0,
+                    xd1=0, xsa_given=0, xsb_given=0):
         """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, HG] fp32 array of
         products (HG = TG, or 2*TG half groups of 16 weights for Q8_0, whose groups span 8
         words). The tile is held as [BN, TG*WPG] code words (WPG words a group, each thread
@@ -1343,7 +1390,10 @@ if triton_enabled():
         (``254*i1 + i2``, then one conversion: ``d1*i1 + d2*i2 = d2*(254*i1 + i2)``). Q5_K
         and Q6_K merge their high bits into the 4-bit codes per word, as ``_tile_acc`` does;
         Q6_K keeps the two 16-weight halves (low and high nibbles) apart for their scales.
-        GIVEN: the code words are ``w_given`` (``_words_codes``, loaded earlier)."""
+        GIVEN: the code words are ``w_given`` (``_words_codes``, loaded earlier). XGIVEN (EVEN,
+        one tile of the row's every group, not Q8_0): x is ``_quant_groups``' output for the
+        row, computed by the caller (``xw1``, ``xw2`` [TG, 8] words, ``xd1``, ``xsa_given``,
+        ``xsb_given`` [TG]), not loaded."""
         G: tl.constexpr = K // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
@@ -1370,10 +1420,18 @@ if triton_enabled():
             i1 = _dp4a(w, x1[None, :] + zero, zero, ASM)
             i2 = _dp4a(w, x2[None, :] + zero, zero, ASM)
         else:
-            x1a = _ld_x(xw_ptr + xj, mask_c, ASM, EVEN)
-            x1b = _ld_x(xw_ptr + xj + 4, mask_c, ASM, EVEN)
-            x2a = _ld_x(xw_ptr + xj + 8, mask_c, ASM, EVEN)
-            x2b = _ld_x(xw_ptr + xj + 12, mask_c, ASM, EVEN)
+            if XGIVEN:      # word j of a group's first / second 16 weights: words j / 4 + j of a term
+                x1a, x1b = tl.split(tl.permute(tl.reshape(xw1, (TG, 2, 4)), (0, 2, 1)))
+                x2a, x2b = tl.split(tl.permute(tl.reshape(xw2, (TG, 2, 4)), (0, 2, 1)))
+                x1a = tl.reshape(x1a, (TW,))
+                x1b = tl.reshape(x1b, (TW,))
+                x2a = tl.reshape(x2a, (TW,))
+                x2b = tl.reshape(x2b, (TW,))
+            else:
+                x1a = _ld_x(xw_ptr + xj, mask_c, ASM, EVEN)
+                x1b = _ld_x(xw_ptr + xj + 4, mask_c, ASM, EVEN)
+                x2a = _ld_x(xw_ptr + xj + 8, mask_c, ASM, EVEN)
+                x2b = _ld_x(xw_ptr + xj + 12, mask_c, ASM, EVEN)
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
             if QTYPE == 13 or QTYPE == 14:   # the group's high-bit word(s), read once per code word
@@ -1408,7 +1466,11 @@ if triton_enabled():
         if not EVEN:
             gidx = tl.where(gm, gidx, 0)
         xg = pid_m.to(tl.int64) * G + g0 + gg
-        if EVEN:
+        if XGIVEN:
+            d1 = xd1
+            xsa = xsa_given
+            xsb = xsb_given
+        elif EVEN:
             d1 = tl.load(d1_ptr + xg)
             xsa = tl.load(xsum_ptr + xg * 2)
             xsb = tl.load(xsum_ptr + xg * 2 + 1)
@@ -1497,12 +1559,17 @@ if triton_enabled():
                            GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
                            ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
                            EARLY: tl.constexpr, ROPE: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr,
-                           HD: tl.constexpr, PDL: tl.constexpr):
+                           HD: tl.constexpr, PDL: tl.constexpr, nx_ptr=None, nr_ptr=None, nw_ptr=None,
+                           h_ptr=None, eps=0.0, NORM: tl.constexpr = False, NORM_RES: tl.constexpr = False):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied). EARLY: the first
         tile's code words are loaded before the wait for the previous kernel (weights only).
         ROPE (fusion ``qkv_rope``; a q|k|v weight of NQ + 2 * NK rows, heads of HD): program
-        rows in ``_rope_rows`` order, final sums through ``_rope_store``."""
+        rows in ``_rope_rows`` order, final sums through ``_rope_store``. NORM (fusion
+        ``quant_norm``; ``norm_prologue_ok``: one tile of whole rows, EVEN): x is the RMSNorm
+        of row ``nx`` (plus ``nr`` with NORM_RES; programs of row block 0 write that sum to
+        ``h``) with fp32 weights ``nw``, quantized as ``quantize_x`` does, all in this
+        program; the norm weights are read before the wait."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -1521,14 +1588,32 @@ if triton_enabled():
         slot = 0
         if ROPE:    # step inputs (copied in before the step's first kernel) and the tables: before the wait
             rc, rs, slot = _rope_inputs(pid_m, pid_n, pos_ptr, slot_ptr, cos_ptr, sin_ptr, s_cos, BLOCK_N, HD)
-        if EARLY:
+        if NORM:
+            kc = tl.arange(0, K)
+            nw = tl.load(nw_ptr + kc).to(tl.float32)
+            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+            _pdl_enter(PDL)
+            xr = _residual_chunk(nx_ptr + pid_m.to(tl.int64) * K, nr_ptr + pid_m.to(tl.int64) * K, kc, kc < K,
+                                 NORM_RES)
+            rstd = _rms_rstd(xr.to(tl.float32), eps, K)
+            if NORM_RES:
+                if pid_n == 0:
+                    tl.store(h_ptr + pid_m.to(tl.int64) * K + kc, xr)
+            y = _rms_apply(xr, rstd, nw, False)
+            xw1, xw2, xd1, xsa, xsb = _quant_groups(tl.reshape(y.to(tl.float32), (K // 32, 32)), K // 32)
+            acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                               pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0,
+                               True, xw1, xw2, xd1, xsa, xsb)
+        elif EARLY:
             w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
             _pdl_enter(PDL)
             acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0)
         else:
             _pdl_enter(PDL)
-        if UNROLL:
+        if NORM:
+            pass
+        elif UNROLL:
             for t in tl.static_range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)

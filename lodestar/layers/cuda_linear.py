@@ -84,9 +84,14 @@ class CudaQuantLinear(nn.Module):
         return self.weight.nbytes
 
     def forward(self, x) -> torch.Tensor:
-        """``x``: a tensor [..., in_features], or ``QuantizedRows`` [rows, in_features]."""
+        """``x``: a tensor [..., in_features], ``QuantizedRows`` [rows, in_features], or a
+        ``triton_dense.PendingNorm`` of such rows (computed in the kernel when it can)."""
         if isinstance(x, self._tq.QuantizedRows):
             return self._tq.quant_matmul(x, self.weight, self.out_dtype)
+        if isinstance(x, _td.PendingNorm):
+            if x.x.dim() == 2 and x.x.shape[0] <= self._tq.SMALL_M_MAX:
+                return self._tq.quant_matmul(x, self.weight, self.out_dtype)
+            x = x.materialize()
         x2 = x.reshape(-1, self.in_features)
         y = self._tq.matmul(x2, self.weight, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -125,6 +130,16 @@ def takes_pending_input(module: object, x: torch.Tensor) -> bool:
     best left to that kernel (``triton_dense.PendingNorm`` / ``PendingGlu``)."""
     return (isinstance(module, CudaDenseLinear) and module.weight.numel() <= _td.FUSE_MAX_WEIGHT
             and module.runs_gemv(x))
+
+
+def takes_norm_prologue(module: object, x: torch.Tensor) -> bool:
+    """Whether ``module`` is a packed projection whose word-tile kernel computes the RMSNorm
+    feeding it for rows like ``x`` (bf16, on the GPU) in its own prologue (fusion
+    ``quant_norm``, ``triton_quant.norm_prologue_ok``)."""
+    if not (isinstance(module, CudaQuantLinear) and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16):
+        return False
+    from lodestar.kernels.triton_quant import norm_prologue_ok
+    return norm_prologue_ok(module.weight, x.shape[0])
 
 
 def takes_glu_epilogue(module: object, x) -> bool:

@@ -189,13 +189,15 @@ class LlamaBlock(nn.Module):
         ``dense_norm`` the residual stream ``x``/``h`` is written by the projection that fuses
         the norm, so it is read only after that projection ran."""
         from lodestar.kernels.triton_quant import quantizable
-        from lodestar.layers.cuda_linear import prefetch_arrays, takes_pending_input, takes_quantized_input
+        from lodestar.layers.cuda_linear import (prefetch_arrays, takes_norm_prologue, takes_pending_input,
+                                                 takes_quantized_input)
         quant = "quant" in fuse and x.dtype == torch.bfloat16
         q_attn = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.attn.qkv)
         q_mlp = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.mlp.gate_up)
         q_down = quant and quantizable(x.shape[0], self.mlp.ffn_dim) and takes_quantized_input(self.mlp.down)
         # small dense one-row projections compute the norm feeding them themselves
-        n_attn = "dense_norm" in fuse and takes_pending_input(self.attn.qkv, x)
+        n_attn = (("dense_norm" in fuse and takes_pending_input(self.attn.qkv, x))
+                  or ("quant_norm" in fuse and takes_norm_prologue(self.attn.qkv, x)))
         n_mlp = "dense_norm" in fuse and takes_pending_input(self.mlp.gate_up, x)
         if n_attn:
             x, xn = self.attn_norm.pending(x, delta)

@@ -339,3 +339,60 @@ def test_qkv_rope_launch_setting(monkeypatch):
     monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "0")
     with pytest.raises(ValueError, match="LODESTAR_QKV_ROPE_PDL"):
         tq.qkv_rope_pdl()
+
+
+NORM_TYPES = [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE if t != tq.T.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", NORM_TYPES)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_norm_in_the_projection_prologue_gives_the_bits_of_the_norm_kernel(qtype, residual, monkeypatch):
+    """``quant_matmul`` of a ``PendingNorm`` (fusion ``quant_norm``: each program of whole-row
+    tiles computes the RMSNorm, adds the residual, writes the sum from row block 0 and
+    quantizes x itself) against the norm kernel then the product: the same bits in the
+    output and in the residual sum, with and without the q|k|v rotation epilogue, for
+    several rows; a tiling with K splits or partial tiles falls back to the norm kernel."""
+    from lodestar.kernels.triton_dense import PendingNorm
+    from lodestar.layers.rotary import RotaryEmbedding
+    dev = kernel_device()
+    monkeypatch.setenv("LODESTAR_FUSE", "1")
+    hd, hq, hk, k = 64, 2, 1, 512
+    n_q, n_k = hq * hd, hk * hd
+    n = n_q + 2 * n_k
+    pw = tq.pack(qtype, random_gguf(qtype, n, k, seed=41).to(dev), n, k)
+    w = (torch.rand(k, generator=torch.Generator().manual_seed(5)) + 0.5).to(dev)
+    cfg = tq.GemvConfig(16, k // 32, 1, 4, words=True)
+    assert tq.norm_prologue_ok(pw, 3, cfg)
+    rope = RotaryEmbedding(hd, 10000.0, 2048).to(dev)
+    cache0 = torch.randn(8, hk, hd, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(dev)
+    for m in (1, 3):
+        x = _x(m, k, seed=20 + m).to(dev)
+        r = _x(m, k, seed=30 + m, scale=1.0).to(dev) if residual else None
+        if residual:
+            y, h_want = tf.rms_norm(x, w, 1e-5, residual=r)
+        else:
+            y, h_want = tf.rms_norm(x, w, 1e-5), x
+        want = tq.quant_matmul(y, pw, config=cfg)
+        p = PendingNorm.of(x, w, 1e-5, residual=r)
+        got = tq.quant_matmul(p, pw, config=cfg)
+        assert _same_bits(got, want), m
+        assert _same_bits(p.h, h_want), m
+        # with the rotation epilogue (q|k|v of a decode step)
+        positions = torch.tensor([3, 1000, 0][:m], dtype=torch.int64).to(dev)
+        slots = torch.tensor([1, 7, 4][:m], dtype=torch.int64).to(dev)
+        kw, vw, kg, vg = (cache0.clone() for _ in range(4))
+        store = lambda kc, vc: tq.RopeStore(positions, slots, rope.cos, rope.sin, kc, vc, n_q, n_k, hd)  # noqa: E731
+        want = tq.quant_matmul(y, pw, config=cfg, rope=store(kw, vw))
+        got = tq.quant_matmul(PendingNorm.of(x, w, 1e-5, residual=r), pw, config=cfg, rope=store(kg, vg))
+        assert _same_bits(got, want) and _same_bits(kg, kw) and _same_bits(vg, vw), m
+    # K splits / a tile narrower than the row / Q8_0 / too many rows: the norm kernel first, same bits
+    assert not tq.norm_prologue_ok(pw, 1, tq.GemvConfig(16, k // 64, 2, 4, words=True))
+    assert not tq.norm_prologue_ok(pw, 1, tq.GemvConfig(16, k // 64, 1, 4, words=True))
+    assert not tq.norm_prologue_ok(pw, tq.SMALL_M_MAX + 1, cfg)
+    split = tq.GemvConfig(16, k // 64, 2, 4, words=True)
+    x = _x(2, k, seed=50).to(dev)
+    r = _x(2, k, seed=51, scale=1.0).to(dev) if residual else None
+    y, h_want = tf.rms_norm(x, w, 1e-5, residual=r) if residual else (tf.rms_norm(x, w, 1e-5), x)
+    p = PendingNorm.of(x, w, 1e-5, residual=r)
+    assert _same_bits(tq.quant_matmul(p, pw, config=split), tq.quant_matmul(y, pw, config=split))
+    assert _same_bits(p.h, h_want)

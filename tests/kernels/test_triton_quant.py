@@ -240,7 +240,7 @@ def test_first_tile_loaded_before_the_wait_gives_the_same_bits(qtype, monkeypatc
     pw = tq.pack(qtype, data.to(dev), n, k)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(dev)
     for cfg in (tq.GemvConfig(16, 32, 1, 4, words=True), tq.GemvConfig(8, 16, 3, 2, unroll=True, words=True),
-                tq.GemvConfig(16, 32, 4, 4, words=True)):
+                tq.GemvConfig(16, 32, 4, 4, words=True), tq.GemvConfig(16, 128, 1, 4, words=True)):
         got = {}
         for early in ("0", "1"):
             monkeypatch.setenv("LODESTAR_GEMV_EARLY", early)
@@ -257,8 +257,10 @@ def test_first_tile_early_by_default_for_models_up_to_2048_wide(monkeypatch):
     assert tq.gemv_early(3072, 2048) and tq.gemv_early(2048, 8192)                             # 1B q|k|v, down
     assert not tq.gemv_early(4096, 4096) and not tq.gemv_early(4096, 14336)                    # 8B
     assert not tq.gemv_early(28672, 4096) and not tq.gemv_early(49152, 4096)
+    # a program holding whole rows in one tile reads all of its weights before the wait
+    assert tq.gemv_early(4096, 4096, whole_rows=True) and tq.gemv_early(6144, 4096, whole_rows=True)
     monkeypatch.setenv("LODESTAR_GEMV_EARLY", "0")
-    assert not tq.gemv_early(64, 64)
+    assert not tq.gemv_early(64, 64) and not tq.gemv_early(4096, 4096, whole_rows=True)
     monkeypatch.setenv("LODESTAR_GEMV_EARLY", "1")
     assert tq.gemv_early(4096, 14336)
     monkeypatch.setenv("LODESTAR_GEMV_EARLY", "4096x4096, 6144x4096")     # named weights only
