@@ -168,6 +168,10 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # qkv_rope joined after runs 39 and 41 (same tokens; the attention launch as ``qkv_rope_pdl``):
 # 8B Q4_0 515.8 -> 523.3 tok/s, Q4_K 510.2 -> 511.8, Llama-3.2-1B Q4_0 1,730.7 -> 1,742.1 (run
 # 41), SmolLM2-135M Q4_0 1,748.8 -> 1,798.5 (run 39).
+# quant_norm (the q|k|v kernel computes its RMSNorm and quantizes x in every program's
+# prologue) is left out: H200 run 51, same tokens, 8B Q4_0 550.7 -> 530.6 tok/s (the q|k|v
+# kernel took 10.3 us a call in the decode chain against 4.5 + 4.1 for the norm and the
+# projection apart).
 DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope")
 
 
