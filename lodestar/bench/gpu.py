@@ -594,15 +594,20 @@ def _time_gpu(fn, reps: int = 50) -> float:
     with torch.cuda.graph(g):
         for _ in range(reps):
             fn()
+    return statistics.median(replay_ms(g, 5)) / 1e3 / reps
+
+
+def replay_ms(graph, n: int) -> list[float]:
+    """Milliseconds of each of ``n`` replays of ``graph``, one at a time (CUDA events)."""
     times = []
-    for _ in range(5):
+    for _ in range(n):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        g.replay()
+        graph.replay()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / reps)
-    return statistics.median(times)
+        times.append(s.elapsed_time(e))
+    return times
 
 
 def stage_gemv(r: Results) -> None:
@@ -840,14 +845,7 @@ def stage_chain(r: Results) -> None:
             torch.cuda.synchronize()
             g = runner.graphs[1]["graph"]
             layers = engine.loaded.config.n_layers
-            untraced = []
-            for _ in range(30):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                g.replay()
-                e.record()
-                e.synchronize()
-                untraced.append(s.elapsed_time(e) * 1e3)
+            untraced = [ms * 1e3 for ms in replay_ms(g, 30)]
             replays = 10
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(replays):
