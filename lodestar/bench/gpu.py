@@ -25,7 +25,8 @@ Stages:
           graph replay (host gap) and the per-kernel times of eager decode steps (SmolLM2
           F16, 8B F16, Q4_K and Q4_0)
   chain   the decode step's kernel chain from graph replays under torch.profiler: per
-          kernel (and grid), how far it moved the end of the chain (LODESTAR_CHAIN_CELLS)
+          kernel and its place in the layer, how far it moved the end of the chain, and the
+          projections' weight streams (LODESTAR_CHAIN_CELLS)
   fuse    decode fusions off vs on (LODESTAR_FUSE=0/1): same tokens and log-probabilities,
           decode tok/s (SmolLM2 and 8B, F16 and Q4_0; LODESTAR_FUSE_CELLS="geometry/type ...")
   dense   bf16 matrix-vector at M = 1: cuBLAS vs the Triton kernel (tiling sweep)
@@ -815,14 +816,36 @@ def chain_trace(events: list[tuple[str, int, int]], replays: int, layers: int = 
     return {"kernels_per_step": [len(st) for st in steps], "traced_span_us": stat(spans) if spans else None, "kernels": rows}
 
 
+def stream_rates(kernels: dict, layer_bytes: list[int], head_bytes: int) -> None:
+    """Add ``stream_tb_s`` (weight bytes / advance per call) to ``chain_trace``'s rows of the
+    matrix-vector kernels: ``#i`` is a layer's i-th projection (``layer_bytes[i]``), ``#+``
+    the head."""
+    for key, row in kernels.items():
+        if "gemv" not in key or row["advance_us_per_call"] <= 0:
+            continue
+        slot = key.rsplit(" #", 1)[-1] if " #" in key else None
+        nbytes = head_bytes if slot == "+" else layer_bytes[int(slot)] if slot and slot.isdigit() \
+            and int(slot) < len(layer_bytes) else None
+        if nbytes:
+            row["stream_tb_s"] = round(nbytes / (row["advance_us_per_call"] * 1e-6) / 1e12, 2)
+
+
+def _projection_bytes(model) -> tuple[list[int], int] | None:
+    """Weight bytes of the first block's q|k|v, o, gate|up and down, and of the head (a
+    Llama-form model), in the order a decode step runs them; None for another form."""
+    try:
+        blk = model.layers[0]
+        mods = (blk.attn.qkv, blk.attn.o, blk.mlp.gate_up, blk.mlp.down)
+        size = lambda m: sum(x.nbytes for x in m) if isinstance(m, (list, torch.nn.ModuleList)) else m.nbytes  # noqa: E731
+        return [size(m) for m in mods], size(model.head)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
 def _kernel_key(ev) -> str:
-    """A device kernel's name (shortened) and grid, so the projections that share a kernel
-    tell apart."""
+    """A device kernel's name, shortened (``void f<...>(args)`` -> ``f<...>``)."""
     import re
-    name = ev.name()
-    name = re.sub(r"^void |\(.*$", "", name)[:60]
-    grid = re.search(r'"grid":\s*\[([^\]]*)\]', ev.metadata_json() or "")
-    return f"{name} grid({grid.group(1).replace(' ', '')})" if grid else name
+    return re.sub(r"^void |\(.*$", "", ev.name())[:60]
 
 
 def stage_chain(r: Results) -> None:
@@ -856,11 +879,13 @@ def stage_chain(r: Results) -> None:
                    and not ev.name().startswith(("Memcpy", "Memset")) and ev.duration_ns() > 0]
             evs.sort(key=lambda ev: ev.start_ns())
             events = [(_kernel_key(ev), ev.start_ns(), ev.end_ns()) for ev in evs]
+            sizes = _projection_bytes(engine.loaded.model)
             engine.abort(rid)
             del engine, runner, g
             release()
             out = chain_trace(events, replays, layers)
-            out["metadata_example"] = evs[0].metadata_json()[:400] if evs else None
+            if sizes:
+                stream_rates(out["kernels"], *sizes)
             out["untraced_replay_us"] = stat(untraced)
             out["traced_kernels"] = len(events)
             return out

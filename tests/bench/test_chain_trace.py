@@ -43,3 +43,17 @@ def test_a_kernel_called_several_times_a_layer_is_told_apart_by_its_place():
     assert out["p #1"]["advance_us_per_step"] == 10.0
     assert out["p #+"]["advance_us_per_step"] == 2.0
     assert out["n"]["advance_us_per_step"] == 2.0
+
+
+def test_stream_rates_of_the_projections_and_the_head():
+    from lodestar.bench.gpu import stream_rates
+    kernels = {"_gemv_words_kernel #0": {"advance_us_per_call": 2.0},
+               "_gemv_words_kernel #3": {"advance_us_per_call": 4.0},
+               "_gemv_words_kernel #+": {"advance_us_per_call": 10.0},
+               "_rms_norm_kernel #0": {"advance_us_per_call": 2.0},
+               "_dense_gemv_kernel": {"advance_us_per_call": 0.0}}
+    stream_rates(kernels, [4_000_000, 1, 1, 12_000_000], 40_000_000)
+    assert kernels["_gemv_words_kernel #0"]["stream_tb_s"] == 2.0        # 4 MB in 2 us
+    assert kernels["_gemv_words_kernel #3"]["stream_tb_s"] == 3.0
+    assert kernels["_gemv_words_kernel #+"]["stream_tb_s"] == 4.0
+    assert "stream_tb_s" not in kernels["_rms_norm_kernel #0"] and "stream_tb_s" not in kernels["_dense_gemv_kernel"]
