@@ -831,8 +831,13 @@ def norm_prologue_ok(pw: PackedWeight, rows: int, config: GemvConfig | None = No
     if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.qtype == T.Q8_0:
         return False
     cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
-    return (cfg.words and cfg.split_k == 1 and cfg.tile_groups * GROUP == pw.k and pw.k & (pw.k - 1) == 0
+    return (cfg.words and whole_rows(cfg, pw.k) and cfg.tile_groups * GROUP == pw.k and pw.k & (pw.k - 1) == 0
             and pw.n % cfg.block_n == 0)
+
+
+def whole_rows(cfg: GemvConfig, k: int) -> bool:
+    """A program of ``cfg`` holds whole rows of ``k`` weights in one tile (no K split)."""
+    return cfg.split_k == 1 and k // GROUP <= cfg.tile_groups
 
 
 def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
@@ -907,7 +912,7 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                                  TG=cfg.tile_groups, GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k,
                                  LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
                                  EVEN=even,
-                                 EARLY=gemv_early(pw.n, pw.k, cfg.split_k == 1 and groups <= cfg.tile_groups), **rope_c,
+                                 EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
                                  **norm_c, num_warps=cfg.num_warps,
                                  **launch)
     else:
@@ -1585,7 +1590,7 @@ if triton_enabled():
         HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
         acc = tl.zeros((BLOCK_N, HG), dtype=tl.float32)
         g_start = pid_s * GROUPS_PER_SPLIT
-        FIRST: tl.constexpr = TG if EARLY else 0      # tiles before it: done before the loop
+        FIRST: tl.constexpr = TG if EARLY or NORM else 0      # tiles before it: done before the loop
         rc = 0.0
         rs = 0.0
         slot = 0
@@ -1614,9 +1619,7 @@ if triton_enabled():
                                pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0)
         else:
             _pdl_enter(PDL)
-        if NORM:
-            pass
-        elif UNROLL:
+        if UNROLL:
             for t in tl.static_range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
