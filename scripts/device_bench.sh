@@ -149,5 +149,6 @@ ncu_all() {
 }
 if want ncu; then _stage ncu 400 bash -c "$(declare -f say ncu_probe ncu_all); OUT='$OUT' PY='$PY' START=$START LOG='$LOG' ncu_all"; fi
 if want readbw; then _stage readbw 60 bash -c "$PY -m lodestar.bench.kernel_probe readbw > '$OUT/readbw.json'"; fi
+if want pattern; then _stage pattern 60 bash -c "$PY -m lodestar.bench.kernel_probe pattern > '$OUT/pattern.json'"; fi
 say "done in $(( $(date +%s) - START ))s"
 note "done in $(( $(date +%s) - START ))s"

@@ -4,6 +4,7 @@ and a read-only streaming kernel that measures how fast a kernel can read HBM.
     python -m lodestar.bench.kernel_probe quant Q4_0 gate_up [--launches 8]
     python -m lodestar.bench.kernel_probe dense BF16 gate_up
     python -m lodestar.bench.kernel_probe readbw              # prints JSON
+    python -m lodestar.bench.kernel_probe pattern             # prints JSON
 
 ``quant`` runs only ``triton_quant``'s matrix-vector kernel (x is quantized once before),
 ``dense`` only ``triton_dense``'s; shapes are Llama-3.1-8B's (``gemv_variants.SHAPES``).
@@ -13,6 +14,7 @@ Each launch reads a different copy of the weight, so none finds it in L2. Used b
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import json
 import statistics
@@ -91,9 +93,140 @@ def read_bandwidth(iters: int = 20) -> dict:
     return out
 
 
+# Access patterns of the word-tile kernel's weight stream (``pattern``): name -> (rows a tile,
+# words a row of a tile, tiles a program, warps, contiguous tiles, scales too)
+PATTERNS = {
+    "gate_up_8x128_t4_w1": (8, 128, 4, 1, False, False),
+    "gate_up_8x128_t4_w1_scales": (8, 128, 4, 1, False, True),
+    "gate_up_8x128_t4_w1_contig": (8, 128, 4, 1, True, False),
+    "gate_up_8x128_t4_w1_contig_scales": (8, 128, 4, 1, True, True),
+    "gate_up_8x512_t1_w1": (8, 512, 1, 1, False, False),
+    "gate_up_8x512_t1_w4": (8, 512, 1, 4, False, False),
+    "gate_up_2x512_t1_w1": (2, 512, 1, 1, False, False),
+    "gate_up_8x128_t4_w4": (8, 128, 4, 4, False, False),
+    "gate_up_32x128_t4_w4": (32, 128, 4, 4, False, False),
+    "gate_up_32x128_t4_w4_contig": (32, 128, 4, 4, True, False),
+    "gate_up_16x256_t2_w4": (16, 256, 2, 4, False, False),
+    "gate_up_16x256_t2_w4_contig": (16, 256, 2, 4, True, False),
+}
+
+
+def read_patterns(iters: int = 20, rows: int = 28672, device: str = "cuda", check: bool = False) -> dict:
+    """Bytes per second a Triton kernel reads from the 8B gate|up Q4_0 code array (28,672 rows
+    of 512 words, 58.7 MB; four copies in turn, so none is in L2) in the tile pattern of the
+    word-tile kernel: one program per block of rows, its tiles one after another, each tile
+    [rows, words] loaded at once (row stride 512 words) or, ``contig``, the same tiles stored
+    one after another (each tile one contiguous piece); ``scales``: and the tile's fp16 scales
+    ([rows, words/4] of a second array). Only loads and an xor: what the access pattern
+    alone allows, without the kernel's arithmetic. ``check``: launch each pattern once on
+    ``rows`` rows and return the xor of every word each read (one value for all: each reads
+    every word once), no timing."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _pattern_kernel(src, sc, dst, RW: tl.constexpr, BN: tl.constexpr, TW: tl.constexpr, TILES: tl.constexpr,
+                        CONTIG: tl.constexpr, SCALES: tl.constexpr):
+        pid = tl.program_id(0)
+        r = tl.arange(0, BN)
+        c = tl.arange(0, TW)
+        acc = tl.zeros((BN, TW), dtype=tl.int32)
+        for t in range(TILES):
+            if CONTIG:
+                offs = ((pid.to(tl.int64) * TILES + t) * BN + r[:, None]) * TW + c[None, :]
+            else:
+                offs = (pid.to(tl.int64) * BN + r[:, None]) * RW + t * TW + c[None, :]
+            acc ^= tl.load(src + offs)
+            if SCALES:
+                g = tl.arange(0, TW // 4)
+                s = tl.load(sc + (pid.to(tl.int64) * BN + r[:, None]) * (RW // 4) + t * (TW // 4) + g[None, :])
+                acc ^= tl.reshape(tl.broadcast_to(s.to(tl.int32)[:, :, None], (BN, TW // 4, 4)), (BN, TW))
+        tl.store(dst + pid, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
+
+    @triton.jit
+    def _flat_kernel(src, dst, n_words, PER: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+        """Program p reads words [p * PER, (p + 1) * PER) in pieces of UNROLL * BLOCK
+        (UNROLL loads issued before their xor)."""
+        pid = tl.program_id(0)
+        acc = tl.zeros((BLOCK,), dtype=tl.int32)
+        base = pid.to(tl.int64) * PER
+        end = tl.minimum(base + PER, n_words)
+        for i in range(0, PER, BLOCK * UNROLL):
+            for u in tl.static_range(UNROLL):
+                offs = base + i + u * BLOCK + tl.arange(0, BLOCK)
+                acc ^= tl.load(src + offs, mask=offs < end, other=0)
+        tl.store(dst + pid, tl.xor_sum(acc, axis=0))
+
+    rw = 512
+    copies = 4
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    srcs = [torch.randint(-2**31, 2**31 - 1, (rows * rw,), dtype=torch.int32, device=device, generator=gen)
+            for _ in range(copies)]
+    scs = [torch.randn(rows * rw // 4, device=device, generator=gen).to(torch.float16) for _ in range(copies)]
+    out = {} if check else {"copy": copy_bandwidth(device, iters)}
+    for name, (bn, tw, tiles, warps, contig, scales) in PATTERNS.items():
+        progs = rows // bn
+        assert progs * bn == rows and tiles * tw == rw
+        dst = torch.empty(progs, dtype=torch.int32, device=device)
+
+        def launch(i):
+            _pattern_kernel[(progs,)](srcs[i % copies], scs[i % copies], dst, RW=rw, BN=bn, TW=tw, TILES=tiles,
+                                      CONTIG=contig, SCALES=scales, num_warps=warps)
+        launch(0)
+        if check:
+            if not scales:
+                out[name] = int(functools.reduce(lambda a, b: a ^ b, dst.tolist()))
+            continue
+        times = []
+        for i in range(iters):     # 8 launches a timing (launch gaps amortized)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for j in range(8):
+                launch(i + 1 + j)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3 / 8)
+        nbytes = rows * rw * 4 + (rows * rw // 4 * 2 if scales else 0)
+        t = statistics.median(times)
+        out[name] = {"us": round(t * 1e6, 2), "tb_per_s": round(nbytes / t / 1e12, 3),
+                     "min_tb_per_s": round(nbytes / max(times) / 1e12, 3)}
+    # the same words as one flat stream: (programs, words a program's load, loads in flight, warps);
+    # programs 0: one program per BLOCK * UNROLL * 4 words (not persistent)
+    n = rows * rw
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 4
+    for progs, block, unroll, warps in ((0, 1024, 1, 4), (0, 4096, 1, 8), (0, 2048, 2, 8), (sms, 4096, 4, 8),
+                                        (sms, 2048, 8, 8), (2 * sms, 2048, 4, 8), (2 * sms, 1024, 8, 4),
+                                        (4 * sms, 1024, 4, 4), (4 * sms, 512, 8, 2), (8 * sms, 512, 4, 2),
+                                        (16 * sms, 256, 4, 1)):
+        grid = progs or triton.cdiv(n, block * unroll * 4)
+        per = triton.cdiv(triton.cdiv(n, grid), block * unroll) * block * unroll
+        dst = torch.empty(grid, dtype=torch.int32, device=device)
+        name = f"flat_p{progs or grid}_b{block}_u{unroll}_w{warps}" + ("_persistent" if progs else "")
+
+        def launch(i):
+            _flat_kernel[(grid,)](srcs[i % copies], dst, n, PER=per, BLOCK=block, UNROLL=unroll, num_warps=warps)
+        launch(0)
+        if check:
+            out[name] = int(functools.reduce(lambda a, b: a ^ b, dst.tolist()))
+            continue
+        times = []
+        for i in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for j in range(8):
+                launch(i + 1 + j)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3 / 8)
+        t = statistics.median(times)
+        out[name] = {"us": round(t * 1e6, 2), "tb_per_s": round(n * 4 / t / 1e12, 3),
+                     "min_tb_per_s": round(n * 4 / max(times) / 1e12, 3)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("quant", "dense", "readbw"))
+    ap.add_argument("what", choices=("quant", "dense", "readbw", "pattern"))
     ap.add_argument("qtype", nargs="?", default="Q4_0")
     ap.add_argument("shape", nargs="?", default="gate_up", choices=tuple(SHAPES))
     ap.add_argument("--launches", type=int, default=8)
@@ -102,6 +235,8 @@ def main() -> None:
         run_quant(a.qtype, a.shape, a.launches)
     elif a.what == "dense":
         run_dense(a.shape, a.launches)
+    elif a.what == "pattern":
+        print(json.dumps(read_patterns(), indent=1))
     else:
         print(json.dumps(read_bandwidth(), indent=1))
 

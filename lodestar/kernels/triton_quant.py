@@ -172,6 +172,11 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # prologue) is left out: H200 run 51, same tokens, 8B Q4_0 550.7 -> 530.6 tok/s (the q|k|v
 # kernel took 10.3 us a call in the decode chain against 4.5 + 4.1 for the norm and the
 # projection apart).
+# Measured and removed (runs 62-63, same tokens): the packed down projection computing the
+# gated activation of gate|up and quantizing it tile by tile (no activation kernel): 8B Q4_0
+# 559.4 -> 542.9 tok/s (521.2 with each tile's code words read before gate and up), Q4_K
+# 535.0 -> 501.2 / 504.5; each of down's 896 programs recomputes its slice of the
+# activation (every value 128 times), on each tile's critical path.
 DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope")
 
 
@@ -565,6 +570,11 @@ def gemv_early(n: int, k: int, whole_rows: bool = False) -> bool:
     up to 2,048 wide), and tilings whose program holds whole rows in one tile
     (``whole_rows``: no K split, all of a program's weights read before the wait; read at
     each call).
+
+    H200, same tokens on every side. Run 64, 8B Q4_0 gate|up (8 rows, one warp, 4 tiles a
+    program) early too: 559.6 [559.3-559.8] -> 561.4 [561.3-561.6] tok/s. Run 65, every
+    tiling without K splits early (gate|up, the head, Q4_K's q|k|v) against this rule: Q4_0
+    558.7 -> 560.1, Q4_K 533.6 -> 506.7; not adopted.
 
     H200, 8B one-stream decode, same tokens on every side. Run 50, whole rows in one tile
     for o (32 rows, 8 warps; 128 programs) and q|k|v (16 rows, 4 warps): Q4_0 shipped tiles
@@ -1619,7 +1629,9 @@ if triton_enabled():
                                pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0)
         else:
             _pdl_enter(PDL)
-        if UNROLL:
+        if FIRST >= GROUPS_PER_SPLIT:
+            pass    # one tile, done above (with NORM, x is not in words: the loop must not be compiled)
+        elif UNROLL:
             for t in tl.static_range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
