@@ -177,19 +177,7 @@ def read_patterns(iters: int = 20, rows: int = 28672, device: str = "cuda", chec
             if not scales:
                 out[name] = int(functools.reduce(lambda a, b: a ^ b, dst.tolist()))
             continue
-        times = []
-        for i in range(iters):     # 8 launches a timing (launch gaps amortized)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for j in range(8):
-                launch(i + 1 + j)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3 / 8)
-        nbytes = rows * rw * 4 + (rows * rw // 4 * 2 if scales else 0)
-        t = statistics.median(times)
-        out[name] = {"us": round(t * 1e6, 2), "tb_per_s": round(nbytes / t / 1e12, 3),
-                     "min_tb_per_s": round(nbytes / max(times) / 1e12, 3)}
+        out[name] = _stream_rate(launch, iters, rows * rw * 4 + (rows * rw // 4 * 2 if scales else 0))
     # the same words as one flat stream: (programs, words a program's load, loads in flight, warps);
     # programs 0: one program per BLOCK * UNROLL * 4 words (not persistent)
     n = rows * rw
@@ -209,19 +197,25 @@ def read_patterns(iters: int = 20, rows: int = 28672, device: str = "cuda", chec
         if check:
             out[name] = int(functools.reduce(lambda a, b: a ^ b, dst.tolist()))
             continue
-        times = []
-        for i in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for j in range(8):
-                launch(i + 1 + j)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3 / 8)
-        t = statistics.median(times)
-        out[name] = {"us": round(t * 1e6, 2), "tb_per_s": round(n * 4 / t / 1e12, 3),
-                     "min_tb_per_s": round(n * 4 / max(times) / 1e12, 3)}
+        out[name] = _stream_rate(launch, iters, n * 4)
     return out
+
+
+def _stream_rate(launch, iters: int, nbytes: int) -> dict:
+    """Median time of ``launch(i)`` (8 launches a timing, so launch gaps are amortized; each
+    launch reads another copy) and the rate of ``nbytes`` read per launch."""
+    times = []
+    for i in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for j in range(8):
+            launch(i + 1 + j)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3 / 8)
+    t = statistics.median(times)
+    return {"us": round(t * 1e6, 2), "tb_per_s": round(nbytes / t / 1e12, 3),
+            "min_tb_per_s": round(nbytes / max(times) / 1e12, 3)}
 
 
 def main() -> None:
