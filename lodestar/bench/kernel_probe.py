@@ -56,77 +56,23 @@ def run_dense(shape: str, launches: int) -> None:
     torch.cuda.synchronize()
 
 
-def read_bandwidth(iters: int = 20) -> dict:
-    """Bytes per second a Triton kernel reads (and sums) from a 2 GiB buffer, per block size
-    and warp count; with the device-copy figure from the same process for comparison."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _read_kernel(src, dst, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        pid = tl.program_id(0)
-        acc = tl.zeros((BLOCK,), dtype=tl.int32)
-        base = pid.to(tl.int64) * BLOCK * ITERS
-        for i in range(ITERS):
-            offs = base + i * BLOCK + tl.arange(0, BLOCK)
-            acc ^= tl.load(src + offs, mask=offs < n_words, other=0)
-        tl.store(dst + pid, tl.sum(acc, axis=0))
-
-    n = (2 << 30) // 4
-    src = torch.ones(n, dtype=torch.int32, device="cuda")
-    out = {"copy": copy_bandwidth("cuda", iters)}
-    for block, per, warps in ((1024, 8, 4), (2048, 8, 8), (4096, 4, 8), (1024, 32, 4), (512, 16, 2)):
-        progs = triton.cdiv(n, block * per)
-        dst = torch.empty(progs, dtype=torch.int32, device="cuda")
-        _read_kernel[(progs,)](src, dst, n, BLOCK=block, ITERS=per, num_warps=warps)
-        times = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            _read_kernel[(progs,)](src, dst, n, BLOCK=block, ITERS=per, num_warps=warps)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        t = statistics.median(times)
-        out[f"read_b{block}_i{per}_w{warps}"] = {"tb_per_s": round(n * 4 / t / 1e12, 3),
-                                                  "min_tb_per_s": round(n * 4 / max(times) / 1e12, 3)}
-    return out
+_KERNELS: dict = {}
 
 
-# Access patterns of the word-tile kernel's weight stream (``pattern``): name -> (rows a tile,
-# words a row of a tile, tiles a program, warps, contiguous tiles, scales too)
-PATTERNS = {
-    "gate_up_8x128_t4_w1": (8, 128, 4, 1, False, False),
-    "gate_up_8x128_t4_w1_scales": (8, 128, 4, 1, False, True),
-    "gate_up_8x128_t4_w1_contig": (8, 128, 4, 1, True, False),
-    "gate_up_8x128_t4_w1_contig_scales": (8, 128, 4, 1, True, True),
-    "gate_up_8x512_t1_w1": (8, 512, 1, 1, False, False),
-    "gate_up_8x512_t1_w4": (8, 512, 1, 4, False, False),
-    "gate_up_2x512_t1_w1": (2, 512, 1, 1, False, False),
-    "gate_up_8x128_t4_w4": (8, 128, 4, 4, False, False),
-    "gate_up_32x128_t4_w4": (32, 128, 4, 4, False, False),
-    "gate_up_32x128_t4_w4_contig": (32, 128, 4, 4, True, False),
-    "gate_up_16x256_t2_w4": (16, 256, 2, 4, False, False),
-    "gate_up_16x256_t2_w4_contig": (16, 256, 2, 4, True, False),
-}
-
-
-def read_patterns(iters: int = 20, rows: int = 28672, device: str = "cuda", check: bool = False) -> dict:
-    """Bytes per second a Triton kernel reads from the 8B gate|up Q4_0 code array (28,672 rows
-    of 512 words, 58.7 MB; four copies in turn, so none is in L2) in the tile pattern of the
-    word-tile kernel: one program per block of rows, its tiles one after another, each tile
-    [rows, words] loaded at once (row stride 512 words) or, ``contig``, the same tiles stored
-    one after another (each tile one contiguous piece); ``scales``: and the tile's fp16 scales
-    ([rows, words/4] of a second array). Only loads and an xor: what the access pattern
-    alone allows, without the kernel's arithmetic. ``check``: launch each pattern once on
-    ``rows`` rows and return the xor of every word each read (one value for all: each reads
-    every word once), no timing."""
+def _read_kernels():
+    """The load-only kernels (built on first use: Triton is imported lazily): ``pattern``, a
+    program per block of rows reading its tiles one after another, and ``flat``, a program
+    per contiguous share of the words."""
+    if _KERNELS:
+        return _KERNELS["pattern"], _KERNELS["flat"]
     import triton
     import triton.language as tl
 
     @triton.jit
     def _pattern_kernel(src, sc, dst, RW: tl.constexpr, BN: tl.constexpr, TW: tl.constexpr, TILES: tl.constexpr,
                         CONTIG: tl.constexpr, SCALES: tl.constexpr):
+        """Tiles [BN, TW] of rows of RW words (CONTIG: stored one after another), with the
+        tile's fp16 scales [BN, TW / 4] from ``sc`` (SCALES); the xor of all into ``dst``."""
         pid = tl.program_id(0)
         r = tl.arange(0, BN)
         c = tl.arange(0, TW)
@@ -157,53 +103,104 @@ def read_patterns(iters: int = 20, rows: int = 28672, device: str = "cuda", chec
                 acc ^= tl.load(src + offs, mask=offs < end, other=0)
         tl.store(dst + pid, tl.xor_sum(acc, axis=0))
 
+    _KERNELS.update(pattern=_pattern_kernel, flat=_flat_kernel)
+    return _pattern_kernel, _flat_kernel
+
+
+def read_bandwidth(iters: int = 20) -> dict:
+    """Bytes per second a Triton kernel reads (and xors) from a 2 GiB buffer, per block size
+    and warp count; with the device-copy figure from the same process for comparison."""
+    import triton
+    _, flat = _read_kernels()
+    n = (2 << 30) // 4
+    src = torch.ones(n, dtype=torch.int32, device="cuda")
+    out = {"copy": copy_bandwidth("cuda", iters)}
+    for block, per, warps in ((1024, 8, 4), (2048, 8, 8), (4096, 4, 8), (1024, 32, 4), (512, 16, 2)):
+        progs = triton.cdiv(n, block * per)
+        dst = torch.empty(progs, dtype=torch.int32, device="cuda")
+
+        def launch(i, progs=progs, dst=dst, block=block, per=per, warps=warps):
+            flat[(progs,)](src, dst, n, PER=block * per, BLOCK=block, UNROLL=1, num_warps=warps)
+        launch(0)
+        out[f"read_b{block}_i{per}_w{warps}"] = _stream_rate(launch, iters, n * 4)
+    return out
+
+
+# Access patterns of the word-tile kernel's weight stream (``pattern``): name -> (rows a tile,
+# words a row of a tile, tiles a program, warps, contiguous tiles, scales too)
+PATTERNS = {
+    "gate_up_8x128_t4_w1": (8, 128, 4, 1, False, False),
+    "gate_up_8x128_t4_w1_scales": (8, 128, 4, 1, False, True),
+    "gate_up_8x128_t4_w1_contig": (8, 128, 4, 1, True, False),
+    "gate_up_8x128_t4_w1_contig_scales": (8, 128, 4, 1, True, True),
+    "gate_up_8x512_t1_w1": (8, 512, 1, 1, False, False),
+    "gate_up_8x512_t1_w4": (8, 512, 1, 4, False, False),
+    "gate_up_2x512_t1_w1": (2, 512, 1, 1, False, False),
+    "gate_up_8x128_t4_w4": (8, 128, 4, 4, False, False),
+    "gate_up_32x128_t4_w4": (32, 128, 4, 4, False, False),
+    "gate_up_32x128_t4_w4_contig": (32, 128, 4, 4, True, False),
+    "gate_up_16x256_t2_w4": (16, 256, 2, 4, False, False),
+    "gate_up_16x256_t2_w4_contig": (16, 256, 2, 4, True, False),
+}
+# The same words as one flat stream: (programs, words a program's load, loads in flight,
+# warps); programs 0: one program per 4 * BLOCK * UNROLL words (not persistent), else
+# multiples of the SM count (a persistent program's contiguous share each)
+FLAT_STREAMS = ((0, 1024, 1, 4), (0, 4096, 1, 8), (0, 2048, 2, 8), ("1", 4096, 4, 8), ("1", 2048, 8, 8),
+                ("2", 2048, 4, 8), ("2", 1024, 8, 4), ("4", 1024, 4, 4), ("4", 512, 8, 2), ("8", 512, 4, 2),
+                ("16", 256, 4, 1))
+
+
+def read_patterns(iters: int = 20, rows: int = 28672, device: str = "cuda", check: bool = False) -> dict:
+    """Bytes per second a Triton kernel reads from the 8B gate|up Q4_0 code array (28,672 rows
+    of 512 words, 58.7 MB; four copies in turn, so none is in L2) in the tile pattern of the
+    word-tile kernel (``PATTERNS``): one program per block of rows, its tiles one after
+    another, each tile [rows, words] loaded at once (row stride 512 words) or, ``contig``, the
+    same tiles stored one after another (each tile one contiguous piece); ``scales``: and the
+    tile's fp16 scales ([rows, words/4] of a second array); then as flat streams
+    (``FLAT_STREAMS``). Only loads and an xor: what the access pattern alone allows, without
+    the kernel's arithmetic. ``check``: launch each once on ``rows`` rows and return the xor
+    of every word each read (one value for all: each reads every word once), no timing."""
+    import triton
+    pattern, flat = _read_kernels()
     rw = 512
+    n = rows * rw
     copies = 4
     gen = torch.Generator(device=device).manual_seed(SEED)
-    srcs = [torch.randint(-2**31, 2**31 - 1, (rows * rw,), dtype=torch.int32, device=device, generator=gen)
+    srcs = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=device, generator=gen)
             for _ in range(copies)]
-    scs = [torch.randn(rows * rw // 4, device=device, generator=gen).to(torch.float16) for _ in range(copies)]
+    scs = [torch.randn(n // 4, device=device, generator=gen).to(torch.float16) for _ in range(copies)]
     out = {} if check else {"copy": copy_bandwidth(device, iters)}
-    for name, (bn, tw, tiles, warps, contig, scales) in PATTERNS.items():
-        progs = rows // bn
-        assert progs * bn == rows and tiles * tw == rw
-        dst = torch.empty(progs, dtype=torch.int32, device=device)
 
-        def launch(i):
-            _pattern_kernel[(progs,)](srcs[i % copies], scs[i % copies], dst, RW=rw, BN=bn, TW=tw, TILES=tiles,
-                                      CONTIG=contig, SCALES=scales, num_warps=warps)
-        launch(0)
-        if check:
-            if not scales:
-                out[name] = int(functools.reduce(lambda a, b: a ^ b, dst.tolist()))
-            continue
-        out[name] = _stream_rate(launch, iters, rows * rw * 4 + (rows * rw // 4 * 2 if scales else 0))
-    # the same words as one flat stream: (programs, words a program's load, loads in flight, warps);
-    # programs 0: one program per BLOCK * UNROLL * 4 words (not persistent)
-    n = rows * rw
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 4
-    for progs, block, unroll, warps in ((0, 1024, 1, 4), (0, 4096, 1, 8), (0, 2048, 2, 8), (sms, 4096, 4, 8),
-                                        (sms, 2048, 8, 8), (2 * sms, 2048, 4, 8), (2 * sms, 1024, 8, 4),
-                                        (4 * sms, 1024, 4, 4), (4 * sms, 512, 8, 2), (8 * sms, 512, 4, 2),
-                                        (16 * sms, 256, 4, 1)):
-        grid = progs or triton.cdiv(n, block * unroll * 4)
-        per = triton.cdiv(triton.cdiv(n, grid), block * unroll) * block * unroll
+    def measure(name: str, grid: int, run, nbytes: int, checked: bool = True) -> None:
         dst = torch.empty(grid, dtype=torch.int32, device=device)
-        name = f"flat_p{progs or grid}_b{block}_u{unroll}_w{warps}" + ("_persistent" if progs else "")
 
         def launch(i):
-            _flat_kernel[(grid,)](srcs[i % copies], dst, n, PER=per, BLOCK=block, UNROLL=unroll, num_warps=warps)
+            run(srcs[i % copies], scs[i % copies], dst)
         launch(0)
-        if check:
+        if not check:
+            out[name] = _stream_rate(launch, iters, nbytes)
+        elif checked:
             out[name] = int(functools.reduce(lambda a, b: a ^ b, dst.tolist()))
-            continue
-        out[name] = _stream_rate(launch, iters, n * 4)
+
+    for name, (bn, tw, tiles, warps, contig, scales) in PATTERNS.items():
+        assert rows % bn == 0 and tiles * tw == rw
+        measure(name, rows // bn, lambda src, sc, dst, bn=bn, tw=tw, tiles=tiles, warps=warps, contig=contig,
+                scales=scales: pattern[(rows // bn,)](src, sc, dst, RW=rw, BN=bn, TW=tw, TILES=tiles, CONTIG=contig,
+                                                      SCALES=scales, num_warps=warps),
+                n * 4 + (n // 4 * 2 if scales else 0), checked=not scales)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 4
+    for per_sm, block, unroll, warps in FLAT_STREAMS:
+        grid = int(per_sm) * sms if per_sm else triton.cdiv(n, block * unroll * 4)
+        per = triton.cdiv(triton.cdiv(n, grid), block * unroll) * block * unroll
+        name = f"flat_p{grid}_b{block}_u{unroll}_w{warps}" + ("_persistent" if per_sm else "")
+        measure(name, grid, lambda src, sc, dst, grid=grid, per=per, block=block, unroll=unroll, warps=warps:
+                flat[(grid,)](src, dst, n, PER=per, BLOCK=block, UNROLL=unroll, num_warps=warps), n * 4)
     return out
 
 
 def _stream_rate(launch, iters: int, nbytes: int) -> dict:
     """Median time of ``launch(i)`` (8 launches a timing, so launch gaps are amortized; each
-    launch reads another copy) and the rate of ``nbytes`` read per launch."""
+    launch may read another copy) and the rate of ``nbytes`` read per launch."""
     times = []
     for i in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
