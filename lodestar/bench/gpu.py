@@ -762,23 +762,26 @@ def stage_profile(r: Results) -> None:
 
 # ------------------------------------------------------------ decode chain, kernel by kernel
 
-def chain_trace(events: list[tuple[str, int, int]], replays: int, layers: int = 0) -> dict:
+def chain_trace(events: list[tuple], replays: int, layers: int = 0) -> dict:
     """Where a replayed decode step's time goes, from the device kernels of ``replays`` graph
-    replays as (key, start ns, end ns) in launch order: each kernel's *advance* is how far
-    it moved the end of the chain (its end minus the latest end before it, at least 0; with
-    dependent launch a kernel starts before the one ahead of it ends, so durations overlap
-    and do not add up, advances do: their sum per step is the step's span from the first
-    kernel's end). Per key: calls and advance per step, mean duration (start to end, which
-    includes the time a dependently launched kernel's blocks sat waiting) and mean advance
-    per call; sorted by advance per step. With ``layers``, a key called ``m * layers + r``
-    times a step (m >= 2) is told apart by its place in the layer: ``key #i`` is its i-th
-    call of each layer (a layer's q|k|v, o, gate|up and down projections share one
-    kernel), ``key #+`` the r calls after the last layer."""
+    replays as (key, start ns, end ns[, stream]) in launch order: each kernel's *advance* is
+    how far it moved the end of the chain (its end minus the latest end before it, at least
+    0; with dependent launch a kernel starts before the one ahead of it ends, so durations
+    overlap and do not add up, advances do: their sum per step is the step's span from the
+    first kernel's end). Kernels on another stream than the step's first kernel (the side
+    prefetch) run beside the chain: they are counted, with their durations, but move
+    nothing (``side_stream``). Per key: calls and advance per step, mean duration (start to
+    end, which includes the time a dependently launched kernel's blocks sat waiting) and
+    mean advance per call; sorted by advance per step. With ``layers``, a key called ``m *
+    layers + r`` times a step (m >= 2) is told apart by its place in the layer: ``key #i``
+    is its i-th call of each layer (a layer's q|k|v, o, gate|up and down projections share
+    one kernel), ``key #+`` the r calls after the last layer."""
+    events = [(e[0], e[1], e[2], e[3] if len(e) > 3 else None) for e in events]
     per_key: dict[str, list] = {}
     spans = []
     # replays are apart by the host's synchronize and launch: cut at the replays - 1 widest gaps
     gaps, end = [], None
-    for i, (_, start, stop) in enumerate(events):
+    for i, (_, start, stop, _) in enumerate(events):
         if end is not None:
             gaps.append((start - end, i))
         end = stop if end is None else max(end, stop)
@@ -788,30 +791,37 @@ def chain_trace(events: list[tuple[str, int, int]], replays: int, layers: int = 
     for step in steps:
         if layers:
             count: dict[str, int] = {}
-            for key, _, _ in step:
+            for key, *_ in step:
                 count[key] = count.get(key, 0) + 1
             seen: dict[str, int] = {}
             labelled = []
-            for key, start, end in step:
+            for key, start, end, stream in step:
                 i, m = seen.get(key, 0), count[key] // layers
                 seen[key] = i + 1
                 if m >= 2:
                     key = f"{key} #{i % m}" if i < m * layers else f"{key} #+"
-                labelled.append((key, start, end))
+                labelled.append((key, start, end, stream))
             step = labelled
+        main = step[0][3] if step else None
         last_end = None
-        for key, start, end in step:
-            adv = 0 if last_end is None else max(0, end - last_end)
-            rec = per_key.setdefault(key, [0, 0, 0])
+        for key, start, end, stream in step:
+            rec = per_key.setdefault(key, [0, 0, 0, False])
             rec[0] += 1
-            rec[1] += adv
             rec[2] += end - start
+            if stream != main:
+                rec[3] = True
+                continue
+            rec[1] += 0 if last_end is None else max(0, end - last_end)
             last_end = end if last_end is None else max(last_end, end)
         if step:
             spans.append((last_end - step[0][1]) / 1e3)
-    rows = {k: {"calls_per_step": v[0] / replays, "advance_us_per_step": round(v[1] / 1e3 / replays, 1),
-                "advance_us_per_call": round(v[1] / 1e3 / v[0], 2), "duration_us_per_call": round(v[2] / 1e3 / v[0], 2)}
-            for k, v in per_key.items()}
+    rows = {}
+    for k, v in per_key.items():
+        rows[k] = {"calls_per_step": v[0] / replays, "advance_us_per_step": round(v[1] / 1e3 / replays, 1),
+                   "advance_us_per_call": round(v[1] / 1e3 / v[0], 2),
+                   "duration_us_per_call": round(v[2] / 1e3 / v[0], 2)}
+        if v[3]:
+            rows[k]["side_stream"] = True
     rows = dict(sorted(rows.items(), key=lambda kv: -kv[1]["advance_us_per_step"]))
     return {"kernels_per_step": [len(st) for st in steps], "traced_span_us": stat(spans) if spans else None, "kernels": rows}
 
@@ -878,7 +888,7 @@ def stage_chain(r: Results) -> None:
                    if ev.device_type() == torch.autograd.DeviceType.CUDA
                    and not ev.name().startswith(("Memcpy", "Memset")) and ev.duration_ns() > 0]
             evs.sort(key=lambda ev: ev.start_ns())
-            events = [(_kernel_key(ev), ev.start_ns(), ev.end_ns()) for ev in evs]
+            events = [(_kernel_key(ev), ev.start_ns(), ev.end_ns(), ev.device_resource_id()) for ev in evs]
             sizes = _projection_bytes(engine.loaded.model)
             engine.abort(rid)
             del engine, runner, g

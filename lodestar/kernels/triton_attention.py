@@ -27,9 +27,11 @@ Decode (one new token per sequence), ``decode_attention`` [``decode_attention_re
     Fused forms (decode fusions of ``triton_quant.fusions()``, read at each call; each one
     removes a launch per layer and gives the same bits):
 
-    ``attn_reduce``: no second kernel. After storing its partials every program takes a
-    ticket on its (sequence, kv head)'s int32 counter (atomic add, acquire-release); the
-    program that draws the last ticket (``splits - 1``) combines the partials of the G
+    ``attn_reduce``: no second kernel. After storing its partials every program that owns
+    a partition takes a ticket on its (sequence, kv head)'s int32 counter (atomic add,
+    acquire-release; programs past the sequence's partitions, most of them at short
+    contexts, take none); the program that draws the last ticket (``min(splits,
+    partitions) - 1``) combines the partials of the G
     query heads, reading them past L1, with the same function as the reduce kernel
     (``_combine_partials``, same chunks, same order: same bits), writes the output and
     puts the counter back to 0. The counters (``decode_counters``, one zeroed buffer per
@@ -683,17 +685,20 @@ if triton_enabled():
             tl.store(pl_ptr + idx, l_i, mask=mask_g)
             tl.store(po_ptr + idx[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
         if REDUCE:
-            # Every thread's partials are stored before the ticket (barrier, then a release);
-            # the last arrival reads the others' partials from L2 after its acquire.
-            tl.debug_barrier()
-            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
+            # Only the programs that own a partition take a ticket. Every thread's partials
+            # are stored before it (barrier, then a release); the last arrival reads the
+            # others' partials from L2 after its acquire.
+            owners = tl.minimum(n_parts, SPLITS)
+            if split < owners:
                 tl.debug_barrier()
-                _combine_group(po_ptr, pm_ptr, pl_ptr, out_ptr + b.to(tl.int64) * stride_ob, stride_oh, b * Hq + kvh * G,
-                               kvh * G, max_parts, n_parts, words_ptr, d1_ptr, sums_ptr, b.to(tl.int64), Hq * D, G, D,
-                               CHUNK, QUANT, INTERP)
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+                cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+                arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                if arrived == owners - 1:
+                    tl.debug_barrier()
+                    _combine_group(po_ptr, pm_ptr, pl_ptr, out_ptr + b.to(tl.int64) * stride_ob, stride_oh,
+                                   b * Hq + kvh * G, kvh * G, max_parts, n_parts, words_ptr, d1_ptr, sums_ptr,
+                                   b.to(tl.int64), Hq * D, G, D, CHUNK, QUANT, INTERP)
+                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _decode_reduce_kernel(po_ptr, pm_ptr, pl_ptr, lens_ptr, out_ptr, stride_ob, stride_oh,

@@ -313,8 +313,11 @@ if triton is not None:
     def _pdl_enter(PDL: tl.constexpr):
         """First statement of a kernel launched with ``triton_quant.pdl()``: wait for the
         previous kernel (all of its memory visible), then allow the next one to launch (PDL
-        == 2: not before this kernel ends)."""
-        if PDL:
+        == 2: not before this kernel ends; 3: before the wait)."""
+        if PDL == 3:
+            gdc_launch_dependents()
+            gdc_wait()
+        elif PDL:
             gdc_wait()
             if PDL != 2:
                 gdc_launch_dependents()

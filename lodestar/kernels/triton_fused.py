@@ -55,11 +55,12 @@ def _quant_outputs(x: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
              residual: torch.Tensor | None = None, quantize: bool = False,
-             prefetch: list[torch.Tensor] | None = None):
+             prefetch: list[torch.Tensor] | None = None, launch_next: bool = False):
     """RMSNorm of ``x`` (2-D or 3-D) -> contiguous result in x's dtype; with ``residual``
     returns ``(norm(x + residual), x + residual)``. ``quantize=True`` returns the norm as
     ``QuantizedRows`` (bf16 2-D ``x`` only). ``prefetch``: the next projection's weight
-    arrays, for L2 (``triton_quant.prefetch_launch``; same results)."""
+    arrays, for L2 (``triton_quant.prefetch_launch``; same results). ``launch_next``: the
+    next kernel may launch before this one waits (``triton_quant.pdl``; same results)."""
     shape = x.shape
     x3 = _as_3d(x)
     A, B, D = x3.shape
@@ -76,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
         res_in.stride(1), eps, A * B, *pf, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block,
         OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize, PF=form, PF_LANES=32 * warps,
         PF_WAIT=prefetch_waits(),
-        num_warps=warps, **pdl())
+        num_warps=warps, **pdl(launch_next))
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
 
@@ -167,7 +168,8 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: tor
 
 # ---------------------------------------------------------------------- activations
 
-def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool, prefetch: list[torch.Tensor] | None):
+def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool, prefetch: list[torch.Tensor] | None,
+         launch_next: bool = False):
     T, Fd = gate.shape
     if gate.stride(-1) != 1:
         gate = gate.contiguous()
@@ -181,22 +183,22 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool, prefetc
     _glu_kernel[(T + extra, blocks)](gate, up, out, words, d1, sums, gate.stride(0), up.stride(0), Fd, T, *pf,
                                      ACT=act, BLOCK=block, QUANT=quantize, PF=form, PF_LANES=128,
                                      PF_WAIT=prefetch_waits(),
-                                     num_warps=4, **pdl())
+                                     num_warps=4, **pdl(launch_next))
     return QuantizedRows(out, words, d1, sums) if quantize else out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False,
-             prefetch: list[torch.Tensor] | None = None):
+             prefetch: list[torch.Tensor] | None = None, launch_next: bool = False):
     """``silu(gate) * up`` for [T, F] views (``QuantizedRows`` with ``quantize``; ``prefetch``
-    as for ``rms_norm``)."""
-    return _glu(gate, up, 0, quantize, prefetch)
+    and ``launch_next`` as for ``rms_norm``)."""
+    return _glu(gate, up, 0, quantize, prefetch, launch_next)
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False,
-                  prefetch: list[torch.Tensor] | None = None):
+                  prefetch: list[torch.Tensor] | None = None, launch_next: bool = False):
     """``gelu_tanh(gate) * up`` for [T, F] views (``QuantizedRows`` with ``quantize``;
-    ``prefetch`` as for ``rms_norm``)."""
-    return _glu(gate, up, 1, quantize, prefetch)
+    ``prefetch`` and ``launch_next`` as for ``rms_norm``)."""
+    return _glu(gate, up, 1, quantize, prefetch, launch_next)
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

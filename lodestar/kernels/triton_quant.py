@@ -117,7 +117,7 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 
 
-def pdl() -> dict:
+def pdl(launch_next: bool = False) -> dict:
     """Launch arguments for programmatic dependent launch (Hopper and later; env
     ``LODESTAR_PDL``, unset or 1: on, 0: off, ``wait``: on, but each kernel lets the next
     one launch only when it ends; read at each call): the decode-path kernels (``PDL``
@@ -127,6 +127,12 @@ def pdl() -> dict:
     launch, so its blocks are resident and waiting when this one ends instead of being
     launched then. Results are the same bits either way. Decode attention has its own
     form (``triton_attention.attention_pdl``).
+
+    ``launch_next`` (a small kernel before a projection, ``cuda_linear.launch_early``; with
+    PDL on): this kernel lets the next one launch before its own wait (``PDL`` 3), so the
+    projection's programs become resident, and load the weights they read before their
+    wait, while the kernel before this one is still draining. Still the same bits: the
+    projection waits for this kernel, which ends only after its own wait.
 
     Measured and left out (H200 runs 22-23, 30; same tokens): letting the next
     kernel launch before the wait (8B Q4_0 one-stream decode 503.0 -> 484.8 tok/s, F16 255.1
@@ -144,11 +150,14 @@ def pdl() -> dict:
                        and torch.cuda.get_device_capability()[0] >= 9)
     if not _PDL_DEVICE:
         return _PDL_OFF
-    return _PDL_WAIT if env == "wait" else _PDL_ON
+    if env == "wait":
+        return _PDL_WAIT
+    return _PDL_FIRST if launch_next else _PDL_ON
 
 
 _PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
 _PDL_WAIT = {"PDL": 2, "launch_pdl": True}     # the next kernel launches when this one ends
+_PDL_FIRST = {"PDL": 3, "launch_pdl": True}    # the next kernel launches before this one waits
 _PDL_DEVICE: bool | None = None
 
 
@@ -593,6 +602,31 @@ def gemv_early(n: int, k: int, whole_rows: bool = False) -> bool:
     return (n, k) in _early_shapes(env)
 
 
+WEIGHT_EVICT_DEFAULT = "none"
+
+
+def weight_evict(qtype: GGMLQuantizationType) -> str:
+    """The eviction policy (``tl.load``'s: L1 and an L2 cache hint) of the word-tile kernel's
+    code-word loads for weights of ``qtype``: ``evict_first`` for the types named in env
+    ``LODESTAR_WEIGHT_EVICT`` (a comma list of type names, ``all`` or ``none``; default
+    none; read at each call), else normal. Evict-first, the weight stream would leave what
+    else L2 holds (the side prefetch's rows, activations, keys and values) in place. Same
+    bits either way.
+
+    H200, one-stream decode, same tokens on every side, with the side prefetch and q|k|v
+    launched early. 8B Q4_0 gains: run 70, 575.8 -> 584.0 tok/s; run 71, 582.5 (Q4_0
+    weights only) and 583.2 (its Q8_0 head too). 8B Q4_K weights evict-first decode at
+    381.4-386.2 against 551.0 (runs 70-71; its Q6_K head alone: 552.0), and Llama-3.2-1B
+    Q4_0 loses too (run 76: 1,832.4 -> 1,706.4). Hence off by default."""
+    env = os.environ.get("LODESTAR_WEIGHT_EVICT", WEIGHT_EVICT_DEFAULT).strip()
+    names = {n.strip() for n in env.split(",") if n.strip()}
+    known = {t.name for t in WORDS_CAPABLE}
+    if not names <= known | {"all", "none"}:
+        raise ValueError(f"LODESTAR_WEIGHT_EVICT={env!r}; use all, none or a comma list of "
+                         f"{', '.join(sorted(known))}")
+    return "evict_first" if "all" in names or qtype.name in names else ""
+
+
 def _early_shapes(text: str) -> frozenset[tuple[int, int]]:
     """``NxK[,NxK...]`` of ``LODESTAR_GEMV_EARLY`` as (n, k) pairs."""
     shapes = _EARLY_SHAPES.get(text)
@@ -771,6 +805,78 @@ def prefetch_launch(arrays: list[torch.Tensor] | None, rows: int, programs_per_r
     return (args[0], args[1:], form) if any(args[1:]) else (0, _NO_PREFETCH, 0)
 
 
+# A decode step's small kernels between two projections leave HBM mostly idle. The side
+# prefetch asks L2 for the first bytes of a later projection's weights from a kernel of
+# its own on a second stream (``side_prefetch``), forked from the step's stream after an
+# earlier kernel and joined at the step's end: unlike the prefetching programs of a small
+# kernel (above), nothing on the step's own path waits for its asks to be served.
+SIDE_PREFETCH_PROGRAMS = 32
+SIDE_PREFETCH_LANES = 128
+SIDE_PREFETCH_DEFAULT_MB = "16"
+
+
+def side_prefetch_limit() -> int:
+    """Bytes of a quantized gate|up projection's weights (its arrays' first bytes, in the same
+    proportion each) that the side prefetch asks L2 for while the attention block runs
+    (forked after the q|k|v kernel): env ``LODESTAR_SIDE_PREFETCH`` in MiB, default 16, 0
+    off; read at each call. Only for projections the small kernel before them does not
+    prefetch whole (over ``weight_prefetch_limit()``).
+
+    H200, 8B one-stream decode, same tokens on every side. Run 69: Q4_0 560.1 -> 570.1 /
+    570.0 / 563.8 / 545.6 tok/s at 8 / 16 / 24 / 32 MiB (with q|k|v, down and the head
+    launched early, ``cuda_linear.launch_early``: 564.8 -> 576.0 at 16; Q4_K 535.2 -> 551.0
+    at 16); run 71, with the weight stream
+    evict-first (``weight_evict``): 12 / 16 / 20 MiB 583.9 / 582.5 / 580.9. Tried and left
+    out: down's first bytes too, forked before gate|up (run 73: 591.2 -> 587.7 / 581.6 /
+    568.0 at 4 / 8 / 16 MiB; Q4_K 556.2 -> 547.4 at 8), gate|up's last rows instead of its
+    first (run 74: Q4_0 588.8 -> 590.1, Q4_K 555.7 -> 536.0), the fork before q|k|v (576.4,
+    Q4_K 538.4), an evict-last hint on the prefetch (run 72: 582.2 against ~581 without).
+    Shipped with q|k|v launched early (run 77, against neither): Q4_0 560.5 -> 575.2, Q4_K
+    534.4 -> 551.2; Llama-3.2-1B Q4_0 (run 76) 1,828.9 -> 1,832.4."""
+    env = os.environ.get("LODESTAR_SIDE_PREFETCH", SIDE_PREFETCH_DEFAULT_MB).strip() or "0"
+    try:
+        mib = float(env)
+    except ValueError:
+        mib = -1.0
+    if mib < 0:
+        raise ValueError(f"LODESTAR_SIDE_PREFETCH={env!r}; give MiB (a number >= 0, 0: off)")
+    return int(mib * (1 << 20))
+
+
+def head_ranges(arrays: list[torch.Tensor], limit: int) -> list[tuple[int, int]]:
+    """(address, bytes) of the first ``limit`` bytes of ``arrays`` taken together, the same
+    fraction of each (row-major weights: the first rows), 16-byte multiples, the
+    ``PREFETCH_RANGES`` largest arrays only; unaligned arrays are left out."""
+    sizes = [a.numel() * a.element_size() for a in arrays]
+    total = sum(sizes)
+    if total == 0 or limit <= 0:
+        return []
+    frac = min(1.0, limit / total)
+    out = []
+    for a, n in sorted(zip(arrays, sizes), key=lambda t: -t[1])[:PREFETCH_RANGES]:
+        take = int(n * frac) // 16 * 16
+        if take and a.data_ptr() % 16 == 0:
+            out.append((a.data_ptr(), take))
+    return out
+
+
+def side_prefetch(arrays: list[torch.Tensor] | None, limit: int | None = None) -> None:
+    """Launch, on the current stream, one kernel of ``SIDE_PREFETCH_PROGRAMS`` programs that
+    asks L2 for the first ``limit`` bytes (default ``side_prefetch_limit()``) of ``arrays``
+    (``cp.async.bulk.prefetch``, each lane a contiguous chunk); nothing is read into
+    registers or written. No-op without arrays, with the limit 0, or in the interpreter."""
+    limit = side_prefetch_limit() if limit is None else limit
+    if not arrays or limit <= 0 or interpreted() or not arrays[0].is_cuda:
+        return
+    ranges = head_ranges(arrays, limit)
+    lanes = SIDE_PREFETCH_PROGRAMS * SIDE_PREFETCH_LANES
+    flat: list[int] = []
+    for addr, n in ranges:
+        flat += [addr, n, (-(-n // lanes) + 15) // 16 * 16]
+    flat += [0] * (3 * PREFETCH_RANGES - len(flat))
+    _side_prefetch_kernel[(SIDE_PREFETCH_PROGRAMS, 1)](*flat, LANES=SIDE_PREFETCH_LANES, num_warps=4)
+
+
 def _tile_counters(pw: PackedWeight, tiles: int) -> torch.Tensor:
     c = pw.tile_counters
     if c is None or c.numel() < tiles:
@@ -850,6 +956,17 @@ def whole_rows(cfg: GemvConfig, k: int) -> bool:
     return cfg.split_k == 1 and k // GROUP <= cfg.tile_groups
 
 
+def loads_all_before_wait(pw: PackedWeight, rows: int) -> bool:
+    """Whether ``quant_matmul`` over ``pw`` for ``rows`` rows runs the word-tile kernel with
+    every weight of a program read before its wait (whole rows in one tile, loaded early):
+    the kernel before it then lets it launch before its own wait
+    (``cuda_linear.launch_early``)."""
+    if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE:
+        return False
+    cfg = gemv_config(pw.n, pw.k, pw.device, pw.qtype)
+    return cfg.words and whole_rows(cfg, pw.k) and gemv_early(pw.n, pw.k, True)
+
+
 def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                  config: GemvConfig | None = None, rope: RopeStore | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
@@ -923,7 +1040,7 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                                  LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
                                  EVEN=even,
                                  EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
-                                 **norm_c, num_warps=cfg.num_warps,
+                                 **norm_c, EVICT=weight_evict(pw.qtype), num_warps=cfg.num_warps,
                                  **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
@@ -1380,9 +1497,10 @@ if triton_enabled():
 
     @triton.jit
     def _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
-                     QTYPE: tl.constexpr, TG: tl.constexpr, EVEN: tl.constexpr):
+                     QTYPE: tl.constexpr, TG: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr = ""):
         """The code words ``_words_tile`` reads for the tile of groups ``g0 ..`` (weights only:
-        a caller may load them before it waits for the previous kernel)."""
+        a caller may load them before it waits for the previous kernel). EVICT: the loads'
+        L2 eviction policy (``weight_evict``)."""
         G: tl.constexpr = K // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
@@ -1390,16 +1508,17 @@ if triton_enabled():
         gl = c // WPG
         offs_w = rows[:, None] * (G * WPG) + (g0 * WPG + c)[None, :]            # [BN, TW] word index
         if EVEN:
-            return tl.load(codes_ptr + offs_w)
+            return tl.load(codes_ptr + offs_w, eviction_policy=EVICT)
         mask_c = (g0 + gl < G) & (t + gl < GROUPS_PER_SPLIT)
-        return tl.load(codes_ptr + offs_w, mask=mask_n[:, None] & mask_c[None, :], other=0)
+        return tl.load(codes_ptr + offs_w, mask=mask_n[:, None] & mask_c[None, :], other=0,
+                       eviction_policy=EVICT)
 
     @triton.jit
     def _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                     pid_m, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
                     QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                     GIVEN: tl.constexpr = False, w_given=0, XGIVEN: tl.constexpr = False, xw1=0, xw2=0,
-                    xd1=0, xsa_given=0, xsb_given=0):
+                    xd1=0, xsa_given=0, xsb_given=0, EVICT: tl.constexpr = ""):
         """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, HG] fp32 array of
         products (HG = TG, or 2*TG half groups of 16 weights for Q8_0, whose groups span 8
         words). The tile is held as [BN, TG*WPG] code words (WPG words a group, each thread
@@ -1424,7 +1543,7 @@ if triton_enabled():
         if GIVEN:
             w = w_given
         else:
-            w = _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+            w = _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT)
         xrow = (pid_m.to(tl.int64) * G + g0 + gl) * 16                        # [TW]
         # 4 words in a row; masked groups point at the buffer's first words (never past its end)
         if EVEN:
@@ -1578,7 +1697,8 @@ if triton_enabled():
                            ASM: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
                            EARLY: tl.constexpr, ROPE: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr,
                            HD: tl.constexpr, PDL: tl.constexpr, nx_ptr=None, nr_ptr=None, nw_ptr=None,
-                           h_ptr=None, eps=0.0, NORM: tl.constexpr = False, NORM_RES: tl.constexpr = False):
+                           h_ptr=None, eps=0.0, NORM: tl.constexpr = False, NORM_RES: tl.constexpr = False,
+                           EVICT: tl.constexpr = ""):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied). EARLY: the first
         tile's code words are loaded before the wait for the previous kernel (weights only).
@@ -1609,7 +1729,7 @@ if triton_enabled():
         if NORM:
             kc = tl.arange(0, K)
             nw = tl.load(nw_ptr + kc).to(tl.float32)
-            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT)
             _pdl_enter(PDL)
             xr = _residual_chunk(nx_ptr + pid_m.to(tl.int64) * K, nr_ptr + pid_m.to(tl.int64) * K, kc, kc < K,
                                  NORM_RES)
@@ -1621,12 +1741,13 @@ if triton_enabled():
             xw1, xw2, xd1, xsa, xsb = _quant_groups(tl.reshape(y.to(tl.float32), (K // 32, 32)), K // 32)
             acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0,
-                               True, xw1, xw2, xd1, xsa, xsb)
+                               True, xw1, xw2, xd1, xsa, xsb, EVICT)
         elif EARLY:
-            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT)
             _pdl_enter(PDL)
             acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                               pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0)
+                               pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0,
+                               EVICT=EVICT)
         else:
             _pdl_enter(PDL)
         if FIRST >= GROUPS_PER_SPLIT:
@@ -1634,15 +1755,18 @@ if triton_enabled():
         elif UNROLL:
             for t in tl.static_range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
+                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
+                                   EVICT=EVICT)
         elif STAGES > 0:
             for t in tl.range(FIRST, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
+                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
+                                   EVICT=EVICT)
         else:
             for t in range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN)
+                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
+                                   EVICT=EVICT)
         _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
                     stride_om, stride_split, SPLIT, LAST_SUMS, ROPE, rc, rs, slot, kc_ptr, vc_ptr, skc0, skc1,
                     svc0, svc1, NQ, NK, HD)
@@ -1696,6 +1820,11 @@ if triton_enabled():
             _line_prefetch(a0, n0, c0, lane, programs * LANES, FORM)
             _line_prefetch(a1, n1, c1, lane, programs * LANES, FORM)
             _line_prefetch(a2, n2, c2, lane, programs * LANES, FORM)
+
+    @triton.jit
+    def _side_prefetch_kernel(a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES: tl.constexpr):
+        """``side_prefetch``: bulk L2 prefetches of up to three ranges, no wait."""
+        _weight_prefetch(0, a0, n0, c0, a1, n1, c1, a2, n2, c2, LANES, 1, False, False)
 
     @triton.jit
     def _split_sum_kernel(part_ptr, out_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

@@ -163,6 +163,68 @@ def prefetch_sites() -> frozenset[str]:
     return sites
 
 
+def launch_early(site: str, module: object = None, rows: int = 0) -> bool:
+    """Whether the small kernel before projection ``site`` (one of ``PREFETCH_SITES``;
+    ``module`` for ``rows`` rows) lets that projection's kernel launch before its own wait
+    (``triton_quant.pdl(launch_next=True)``): the projection's programs become resident
+    while the kernel before the small one drains, and read the weights they read before
+    their wait then. Env ``LODESTAR_PDL_EARLY``, a comma list of sites or ``none``; unset:
+    the quantized projections whose programs read all their weights before the wait
+    (``triton_quant.loads_all_before_wait``: at 8B, Q4_0's q|k|v). Read at each call; same
+    bits either way.
+
+    H200, 8B one-stream decode, same tokens on every side: run 67, Q4_0 559.9 -> 564.4
+    tok/s with q|k|v (gate|up 559.1; all of q|k|v, gate|up, down and the head 567.5); run
+    68, q|k|v with down and the head 565.1, with down 565.0, with the head 564.2; Q4_K
+    (whose q|k|v tiles are not whole rows) 535.0 -> 529.9 with q|k|v, 536.7 with down."""
+    env = os.environ.get("LODESTAR_PDL_EARLY", "").strip()
+    if not env:
+        from lodestar.kernels.triton_quant import loads_all_before_wait
+        return isinstance(module, CudaQuantLinear) and loads_all_before_wait(module.weight, rows)
+    sites = frozenset(s.strip() for s in env.split(",") if s.strip())
+    if not sites <= set(PREFETCH_SITES) | {"none"}:
+        raise ValueError(f"LODESTAR_PDL_EARLY={env!r}; use none or a comma list of {', '.join(PREFETCH_SITES)}")
+    return site in sites
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE_PENDING: set[torch.device] = set()
+
+
+def fork_side_prefetch(module: object, rows: int) -> bool:
+    """Ask L2 for the first bytes of a quantized projection's weights
+    (``triton_quant.side_prefetch``, ``side_prefetch_limit()`` bytes) from a second stream
+    forked from the current one here, so that no kernel of the current stream waits for it;
+    ``join_side_prefetch`` joins it back (required before a CUDA-graph capture ends). False
+    (nothing launched) when off, for more ``rows`` than a decode step's matrix-vector
+    kernels take, for dense weights, or for weights the small kernel before the projection
+    prefetches whole (``prefetch_launch``: at most ``weight_prefetch_limit()`` bytes)."""
+    from lodestar.kernels.triton_quant import SMALL_M_MAX, side_prefetch, side_prefetch_limit, weight_prefetch_limit
+    mods = list(module) if isinstance(module, (list, nn.ModuleList)) else [module]
+    limit = side_prefetch_limit()
+    if limit <= 0 or rows > SMALL_M_MAX or not all(isinstance(m, CudaQuantLinear) for m in mods):
+        return False
+    arrays = prefetch_arrays(module)
+    if not arrays or sum(a.numel() * a.element_size() for a in arrays) <= weight_prefetch_limit():
+        return False
+    dev = arrays[0].device
+    side = _SIDE_STREAMS.get(dev)
+    if side is None:
+        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        side_prefetch(arrays, limit)
+    _SIDE_PENDING.add(dev)
+    return True
+
+
+def join_side_prefetch() -> None:
+    """Make the current stream wait for every side prefetch forked since the last join."""
+    for dev in list(_SIDE_PENDING):
+        torch.cuda.current_stream(dev).wait_stream(_SIDE_STREAMS[dev])
+        _SIDE_PENDING.discard(dev)
+
+
 def prefetch_arrays(module: object, site: str | None = None) -> list[torch.Tensor] | None:
     """The GPU weight arrays of a projection (``CudaQuantLinear``: codes and scales;
     ``CudaDenseLinear``: the matrix; a list of projections: all of theirs, in order) for

@@ -13,25 +13,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight.float(), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, quantize: bool = False, prefetch: list[torch.Tensor] | None = None):
+    def forward(self, x: torch.Tensor, quantize: bool = False, prefetch: list[torch.Tensor] | None = None,
+                launch_next: bool = False):
         """``quantize`` (GPU, bf16 [rows, D]): return the norm as ``triton_quant.QuantizedRows``,
         quantized for a ``CudaQuantLinear`` by the same kernel. ``prefetch`` (GPU): the next
-        projection's weight arrays, asked of L2 by the same kernel (``cuda_linear.prefetch_arrays``)."""
+        projection's weight arrays, asked of L2 by the same kernel (``cuda_linear.prefetch_arrays``).
+        ``launch_next`` (GPU): the next kernel may launch before this one waits
+        (``cuda_linear.launch_early``)."""
         if x.is_cuda:
             from lodestar.kernels.triton_fused import rms_norm
-            return rms_norm(x, self.weight, self.eps, quantize=quantize, prefetch=prefetch)
+            return rms_norm(x, self.weight, self.eps, quantize=quantize, prefetch=prefetch, launch_next=launch_next)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, quantize: bool = False,
-                 prefetch: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, object]:
-        """``(h, norm(h))`` with ``h = x + delta``; one fused kernel on the GPU (``quantize`` and
-        ``prefetch`` as for ``forward``)."""
+                 prefetch: list[torch.Tensor] | None = None, launch_next: bool = False) -> tuple[torch.Tensor, object]:
+        """``(h, norm(h))`` with ``h = x + delta``; one fused kernel on the GPU (``quantize``,
+        ``prefetch`` and ``launch_next`` as for ``forward``)."""
         if x.is_cuda:
             from lodestar.kernels.triton_fused import rms_norm
-            y, h = rms_norm(delta, self.weight, self.eps, residual=x, quantize=quantize, prefetch=prefetch)
+            y, h = rms_norm(delta, self.weight, self.eps, residual=x, quantize=quantize, prefetch=prefetch,
+                            launch_next=launch_next)
             return h, y
         h = x + delta
         return h, self(h)

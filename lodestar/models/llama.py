@@ -98,16 +98,22 @@ class LlamaAttention(nn.Module):
         return self.qkv.rope_store(x, positions, batch.gpu.slot_mapping, self.rope.cos, self.rope.sin,
                                    self.k_cache, self.v_cache, self.sizes[0], self.sizes[1], self.head_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                after_qkv=None) -> torch.Tensor:
+        """``after_qkv``: called (no arguments) once the q|k|v projection is launched."""
         T = x.shape[0]
         rope = self._rope_store(x, positions, batch)
         if rope is not None:    # rotated and stored by the projection's kernel
             from lodestar.layers.cuda_linear import takes_quantized_input
             q = self.qkv.forward_rope(x, rope)[:, :self.sizes[0]].view(T, self.n_heads, self.head_dim)
+            if after_qkv is not None:
+                after_qkv()
             o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, None,
                                 takes_quantized_input(self.o))
             return self.o(o.reshape(T, -1) if isinstance(o, torch.Tensor) else o)
         q, k, v = split_fused(self.qkv, x, self.sizes)
+        if after_qkv is not None:
+            after_qkv()
         if self.qkv_bias is not None:
             q, k, v = (t + b for t, b in zip((q, k, v), self.qkv_bias.split(self.sizes)))
         q = q.view(T, self.n_heads, self.head_dim)
@@ -161,8 +167,9 @@ class LlamaMLP(nn.Module):
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         if quantize:
             from lodestar.kernels import triton_fused
-            from lodestar.layers.cuda_linear import prefetch_arrays
-            act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down, "down"))
+            from lodestar.layers.cuda_linear import launch_early, prefetch_arrays
+            act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down, "down"),
+                                        launch_next=launch_early("down", self.down, gate.shape[0]))
             return self.down(act)
         return self.down(silu_mul(gate, up))
 
@@ -189,8 +196,8 @@ class LlamaBlock(nn.Module):
         ``dense_norm`` the residual stream ``x``/``h`` is written by the projection that fuses
         the norm, so it is read only after that projection ran."""
         from lodestar.kernels.triton_quant import quantizable
-        from lodestar.layers.cuda_linear import (prefetch_arrays, takes_norm_prologue, takes_pending_input,
-                                                 takes_quantized_input)
+        from lodestar.layers.cuda_linear import (fork_side_prefetch, launch_early, prefetch_arrays,
+                                                 takes_norm_prologue, takes_pending_input, takes_quantized_input)
         quant = "quant" in fuse and x.dtype == torch.bfloat16
         q_attn = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.attn.qkv)
         q_mlp = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.mlp.gate_up)
@@ -202,15 +209,18 @@ class LlamaBlock(nn.Module):
         if n_attn:
             x, xn = self.attn_norm.pending(x, delta)
         elif delta is None:
-            xn = self.attn_norm(x, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"))
+            xn = self.attn_norm(x, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"),
+                                launch_next=launch_early("qkv", self.attn.qkv, x.shape[0]))
         else:
-            x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"))
-        attn_out = self.attn(xn, positions, batch)
+            x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"),
+                                            launch_next=launch_early("qkv", self.attn.qkv, x.shape[0]))
+        attn_out = self.attn(xn, positions, batch, after_qkv=lambda: fork_side_prefetch(self.mlp.gate_up, x.shape[0]))
         if n_mlp:
             h, y = self.ffn_norm.pending(x, attn_out)
         else:
             h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp,
-                                          prefetch=prefetch_arrays(self.mlp.gate_up, "gate_up"))
+                                          prefetch=prefetch_arrays(self.mlp.gate_up, "gate_up"),
+                                          launch_next=launch_early("gate_up", self.mlp.gate_up, x.shape[0]))
         return h, self.mlp(y, quantize=q_down, glu_epilogue="glu_epilogue" in fuse)
 
 
@@ -243,15 +253,18 @@ class LlamaModel(nn.Module):
 
     def _forward_gpu(self, h: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         from lodestar.kernels.triton_quant import fusions
-        from lodestar.layers.cuda_linear import prefetch_arrays
+        from lodestar.layers.cuda_linear import join_side_prefetch, launch_early, prefetch_arrays
         fuse = fusions()
         delta = None
         for blk in self.layers:
             h, delta = blk.forward_gpu(h, delta, positions, batch, fuse)
             if "residual" not in fuse:
                 h, delta = h + delta, None
-        head = prefetch_arrays(self.head, "head")
-        return self.norm(h, prefetch=head) if delta is None else self.norm.add_norm(h, delta, prefetch=head)[1]
+        head, early = prefetch_arrays(self.head, "head"), launch_early("head", self.head, h.shape[0])
+        join_side_prefetch()
+        if delta is None:
+            return self.norm(h, prefetch=head, launch_next=early)
+        return self.norm.add_norm(h, delta, prefetch=head, launch_next=early)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -20,6 +20,17 @@ def test_advances_add_up_to_the_span_and_overlap_is_not_counted_twice():
     assert total == 30.0 - 10.0                           # span from the first kernel's end
 
 
+def test_kernels_on_another_stream_move_nothing():
+    # main stream 7: a (0-10), c (12-20); stream 9: s (5-30), after both
+    step = [("a", 0, 10_000, 7), ("s", 5_000, 30_000, 9), ("c", 12_000, 20_000, 7)]
+    out = chain_trace(step, replays=1)
+    k = out["kernels"]
+    assert k["c"]["advance_us_per_step"] == 10.0
+    assert k["s"]["advance_us_per_step"] == 0.0 and k["s"]["side_stream"] and k["s"]["duration_us_per_call"] == 25.0
+    assert "side_stream" not in k["c"]
+    assert out["traced_span_us"]["median"] == 20.0        # the main stream's span
+
+
 def test_repeated_keys_are_summed_per_step():
     step = [("g", 0, 1_000), ("g", 1_000, 3_000), ("h", 2_000, 6_000)]
     out = chain_trace(step, replays=1)

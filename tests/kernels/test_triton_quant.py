@@ -218,6 +218,43 @@ def test_launch_switch(monkeypatch):
     for env, want in (("1", {"PDL": True, "launch_pdl": True}), ("wait", {"PDL": 2, "launch_pdl": True})):
         monkeypatch.setenv("LODESTAR_PDL", env)
         assert tq.pdl() == (want if hopper else {"PDL": False})
+    # launch_next: before the wait (3), unless every kernel waits for the previous one's end
+    monkeypatch.setenv("LODESTAR_PDL", "1")
+    assert tq.pdl(launch_next=True) == ({"PDL": 3, "launch_pdl": True} if hopper else {"PDL": False})
+    monkeypatch.setenv("LODESTAR_PDL", "wait")
+    assert tq.pdl(launch_next=True) == ({"PDL": 2, "launch_pdl": True} if hopper else {"PDL": False})
+
+
+def test_launch_early_sites(monkeypatch):
+    """LODESTAR_PDL_EARLY names the projections whose kernel launches before the small
+    kernel before it waits (or none); unset: the quantized projections whose programs read
+    all their weights before their wait; an unknown site is an error."""
+    from lodestar.layers.cuda_linear import PREFETCH_SITES, launch_early
+    monkeypatch.delenv("LODESTAR_PDL_EARLY", raising=False)
+    assert not launch_early("qkv", torch.nn.Linear(4, 4), 1)       # not a quantized projection
+    monkeypatch.setenv("LODESTAR_PDL_EARLY", "none")
+    assert not any(launch_early(s) for s in PREFETCH_SITES)
+    monkeypatch.setenv("LODESTAR_PDL_EARLY", "qkv, gate_up")
+    assert [s for s in PREFETCH_SITES if launch_early(s)] == ["qkv", "gate_up"]
+    monkeypatch.setenv("LODESTAR_PDL_EARLY", "qkv,mlp")
+    with pytest.raises(ValueError, match="LODESTAR_PDL_EARLY"):
+        launch_early("qkv")
+
+
+def test_loads_all_before_wait_follows_the_tiling(monkeypatch):
+    """Whole rows in one tile, loaded before the wait: the rule's tiling for a 4096-wide
+    Q4_0 weight on this device, never for more rows than the matrix-vector kernels take."""
+    dev = kernel_device()
+    pw = tq.pack(tq.T.Q4_0, random_gguf(tq.T.Q4_0, 64, 256, seed=1).to(dev), 64, 256)
+    monkeypatch.setenv("LODESTAR_GEMV", "8,8,1,1,0,0,0,1")        # 8 groups a tile: whole 256-wide rows
+    monkeypatch.delenv("LODESTAR_GEMV_EARLY", raising=False)
+    assert tq.loads_all_before_wait(pw, 1)
+    assert not tq.loads_all_before_wait(pw, tq.SMALL_M_MAX + 1)
+    monkeypatch.setenv("LODESTAR_GEMV_EARLY", "0")
+    assert not tq.loads_all_before_wait(pw, 1)
+    monkeypatch.setenv("LODESTAR_GEMV_EARLY", "")
+    monkeypatch.setenv("LODESTAR_GEMV", "8,4,1,1,0,0,0,1")        # two tiles a row
+    assert not tq.loads_all_before_wait(pw, 1)
 
 
 def test_graph_buffers_grow_and_keep_the_old_ones():
@@ -269,3 +306,43 @@ def test_first_tile_early_by_default_for_models_up_to_2048_wide(monkeypatch):
         monkeypatch.setenv("LODESTAR_GEMV_EARLY", bad)
         with pytest.raises(ValueError, match="LODESTAR_GEMV_EARLY"):
             tq.gemv_early(4096, 4096)
+
+
+def test_side_prefetch_ranges(monkeypatch):
+    """The side prefetch asks for the same leading fraction of each array (16-byte multiples),
+    at most LODESTAR_SIDE_PREFETCH MiB in all (default 16); a bad value is an error."""
+    monkeypatch.delenv("LODESTAR_SIDE_PREFETCH", raising=False)
+    assert tq.side_prefetch_limit() == 16 << 20
+    monkeypatch.setenv("LODESTAR_SIDE_PREFETCH", "1.5")
+    assert tq.side_prefetch_limit() == 3 << 19
+    monkeypatch.setenv("LODESTAR_SIDE_PREFETCH", "0")
+    assert tq.side_prefetch_limit() == 0
+    for bad in ("-1", "x"):
+        monkeypatch.setenv("LODESTAR_SIDE_PREFETCH", bad)
+        with pytest.raises(ValueError, match="LODESTAR_SIDE_PREFETCH"):
+            tq.side_prefetch_limit()
+    codes = torch.zeros(3 << 20, dtype=torch.uint8)
+    scales = torch.zeros(1 << 19, dtype=torch.float16)      # 1 MiB
+    got = tq.head_ranges([scales, codes], 2 << 20)            # half of 4 MiB
+    assert got == [(codes.data_ptr(), 3 << 19), (scales.data_ptr(), 1 << 19)]
+    assert sum(n for _, n in tq.head_ranges([codes, scales], 100 << 20)) == 4 << 20
+    assert tq.head_ranges([codes], 0) == []
+    assert all(n % 16 == 0 for _, n in tq.head_ranges([codes, scales], 1000))
+
+
+def test_weight_evict_names_types(monkeypatch):
+    """LODESTAR_WEIGHT_EVICT: the quant types whose code words load evict-first (all, none;
+    default none)."""
+    monkeypatch.delenv("LODESTAR_WEIGHT_EVICT", raising=False)
+    assert tq.weight_evict(tq.T.Q4_0) == ""
+    monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "Q4_0")
+    assert (tq.weight_evict(tq.T.Q4_0), tq.weight_evict(tq.T.Q4_K)) == ("evict_first", "")
+    monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "none")
+    assert tq.weight_evict(tq.T.Q4_0) == ""
+    monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "Q4_K,Q8_0")
+    assert (tq.weight_evict(tq.T.Q4_0), tq.weight_evict(tq.T.Q8_0)) == ("", "evict_first")
+    monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "all")
+    assert tq.weight_evict(tq.T.Q6_K) == "evict_first"
+    monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "first")
+    with pytest.raises(ValueError, match="LODESTAR_WEIGHT_EVICT"):
+        tq.weight_evict(tq.T.Q4_0)
