@@ -94,7 +94,7 @@ stage() {
   want "$1" || return 0
   _stage "$@"
 }
-stage tests 160 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
+stage tests 300 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
   tests/kernels/test_triton_decode_fusion.py tests/kernels/test_triton_dense.py \
   tests/kernels/test_triton_dense_fusion.py tests/kernels/test_triton_sampling.py \

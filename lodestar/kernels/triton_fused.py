@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import GROUP, QuantizedRows, pdl, prefetch_launch, prefetch_waits, triton_enabled
+from lodestar.kernels.triton_quant import (GROUP, QuantizedRows, SplitPartials, pdl, prefetch_launch, prefetch_waits,
+                                           triton_enabled)
 
 
 def _pow2(n: int) -> int:
@@ -57,16 +58,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
              residual: torch.Tensor | None = None, quantize: bool = False,
              prefetch: list[torch.Tensor] | None = None, launch_next: bool = False):
     """RMSNorm of ``x`` (2-D or 3-D) -> contiguous result in x's dtype; with ``residual``
-    returns ``(norm(x + residual), x + residual)``. ``quantize=True`` returns the norm as
+    returns ``(norm(x + residual), x + residual)``; ``x`` may be ``triton_quant.SplitPartials``
+    (fusion ``norm_sum``: the kernel sums them first, as the unfused sum would, in their
+    dtype). ``quantize=True`` returns the norm as
     ``QuantizedRows`` (bf16 2-D ``x`` only). ``prefetch``: the next projection's weight
     arrays, for L2 (``triton_quant.prefetch_launch``; same results). ``launch_next``: the
     next kernel may launch before this one waits (``triton_quant.pdl``; same results)."""
+    parts, part_stride, dtype = 0, 0, x.dtype
+    if isinstance(x, SplitPartials):    # fusion norm_sum: the sum of the K splits first
+        parts, part_stride, dtype = x.part.shape[0], x.part[0].numel(), x.dtype
+        x = x.part[0]
     shape = x.shape
     x3 = _as_3d(x)
     A, B, D = x3.shape
-    out = torch.empty(shape, device=x.device, dtype=x.dtype)
+    out = torch.empty(shape, device=x.device, dtype=dtype)
     res_in = _as_3d(residual) if residual is not None else x3
-    res_out = torch.empty(shape, device=x.device, dtype=x.dtype) if residual is not None else out
+    res_out = torch.empty(shape, device=x.device, dtype=dtype) if residual is not None else out
     words, d1, sums = _quant_outputs(out, quantize)
     block = _pow2(max(D, GROUP))
     slices = _norm_slices(A * B, D)
@@ -74,8 +81,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     extra, pf, form = prefetch_launch(prefetch, A * B, slices, 32 * warps)
     _rms_norm_kernel[(A * B + extra, slices)](
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
-        res_in.stride(1), eps, A * B, *pf, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block,
-        OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize, PF=form, PF_LANES=32 * warps,
+        res_in.stride(1), eps, A * B, *pf, part_stride, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block,
+        OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize, PARTS=parts, PF=form, PF_LANES=32 * warps,
         PF_WAIT=prefetch_waits(),
         num_warps=warps, **pdl(launch_next))
     y = QuantizedRows(out, words, d1, sums) if quantize else out
@@ -240,30 +247,50 @@ if triton_enabled():
             _quant_store(words_ptr, d1_ptr, sums_ptr, y, row, g0, D, BLOCK)
 
     @triton.jit
+    def _summed_chunk(x_ptr, r_ptr, cols, mask, HAS_RES: tl.constexpr, PARTS: tl.constexpr, part_stride,
+                      dtype: tl.constexpr):
+        """``_residual_chunk`` of x = the sum of PARTS fp32 partials ``part_stride`` apart (added
+        in order, then cast to ``dtype``: the bits of ``_split_sum_kernel``); PARTS 0: x as is."""
+        if PARTS == 0:
+            return _residual_chunk(x_ptr, r_ptr, cols, mask, HAS_RES)
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, PARTS):
+            x += tl.load(x_ptr + s * part_stride + cols, mask=mask, other=0.0)
+        x = x.to(dtype)
+        if HAS_RES:
+            r = tl.load(r_ptr + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        return x
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
-                         B, sx0, sx1, sr0, sr1, eps, ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2,
+                         B, sx0, sx1, sr0, sr1, eps, ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, part_stride,
                          D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
-                         OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PF: tl.constexpr,
-                         PF_LANES: tl.constexpr, PF_WAIT: tl.constexpr, PDL: tl.constexpr):
+                         OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PARTS: tl.constexpr,
+                         PF: tl.constexpr, PF_LANES: tl.constexpr, PF_WAIT: tl.constexpr, PDL: tl.constexpr):
         """Row ``program_id(0)``: the scale from the whole row (``_rms_rstd``, which the dense
         matrix-vector kernel uses when it fuses this norm), then columns ``SLICE *
         program_id(1) ..`` normalized (SLICE == BLOCK: the whole row, kept in registers).
         PF (0: none): rows ``ROWS ..`` of programs are weight prefetchers of that form
-        (``triton_quant.prefetch_launch``)."""
+        (``triton_quant.prefetch_launch``). PARTS (0: none): x is the first of PARTS fp32 K-split
+        partials ``part_stride`` apart, summed first (``_summed_chunk``)."""
         if PF:
             if tl.program_id(0) >= ROWS:
                 _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
             else:
                 _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
-                              B, sx0, sx1, sr0, sr1, eps, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT, PDL)
+                              B, sx0, sx1, sr0, sr1, eps, part_stride, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT,
+                              PARTS, PDL)
         else:
             _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
-                          B, sx0, sx1, sr0, sr1, eps, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT, PDL)
+                          B, sx0, sx1, sr0, sr1, eps, part_stride, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT,
+                          PARTS, PDL)
 
     @triton.jit
     def _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
-                      B, sx0, sx1, sr0, sr1, eps, D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
-                      OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+                      B, sx0, sx1, sr0, sr1, eps, part_stride, D: tl.constexpr, BLOCK: tl.constexpr,
+                      SLICE: tl.constexpr, OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr,
+                      PARTS: tl.constexpr, PDL: tl.constexpr):
         """The norm weights of the program's columns are read before the wait (no kernel of a
         step writes them), then the program's own slice and the whole row together (one round
         trip to L2, not one before the row's scale and one after it)."""
@@ -276,15 +303,16 @@ if triton_enabled():
         b = (row % B).to(tl.int64)
         x_row = x_ptr + a * sx0 + b * sx1
         r_row = r_ptr + a * sr0 + b * sr1
+        dt: tl.constexpr = out_ptr.dtype.element_ty
         if SLICE == BLOCK:
-            x = _residual_chunk(x_row, r_row, cs, ms, HAS_RES)
+            x = _summed_chunk(x_row, r_row, cs, ms, HAS_RES, PARTS, part_stride, dt)
             rstd = _rms_rstd(x.to(tl.float32), eps, D)
             _norm_store(x, cs, ms, rstd, w, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                         row.to(tl.int64), 0, D, BLOCK, OFFSET, HAS_RES, QUANT)
         else:
-            xs = _residual_chunk(x_row, r_row, cs, ms, HAS_RES)
+            xs = _summed_chunk(x_row, r_row, cs, ms, HAS_RES, PARTS, part_stride, dt)
             cols = tl.arange(0, BLOCK)
-            x = _residual_chunk(x_row, r_row, cols, cols < D, HAS_RES)
+            x = _summed_chunk(x_row, r_row, cols, cols < D, HAS_RES, PARTS, part_stride, dt)
             rstd = _rms_rstd(x.to(tl.float32), eps, D)
             _norm_store(xs, cs, ms, rstd, w, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                         row.to(tl.int64), tl.program_id(1) * (SLICE // 32), D, SLICE, OFFSET, HAS_RES, QUANT)

@@ -162,7 +162,7 @@ _PDL_DEVICE: bool | None = None
 
 
 FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "attn_quant",
-           "glu_epilogue", "qkv_rope", "quant_norm")
+           "glu_epilogue", "qkv_rope", "quant_norm", "norm_sum")
 # On unless LODESTAR_FUSE says otherwise. attn_rope and attn_reduce are left out: the H200
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
@@ -186,6 +186,9 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # 559.4 -> 542.9 tok/s (521.2 with each tile's code words read before gate and up), Q4_K
 # 535.0 -> 501.2 / 504.5; each of down's 896 programs recomputes its slice of the
 # activation (every value 128 times), on each tile's critical path.
+# norm_sum (a quantized down projection with K splits leaves its partial sums to the next
+# RMSNorm: no counters, barrier or acquire-release epilogue in its programs) is new and not
+# yet measured on the GPU; off until it is.
 DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope")
 
 
@@ -246,6 +249,30 @@ class QuantizedRows:
         return (torch.empty(m, g, 2, 8, device=device, dtype=torch.int32),
                 torch.empty(m, g, device=device, dtype=torch.float32),
                 torch.empty(m, g, 2, device=device, dtype=torch.float32))
+
+
+@dataclass
+class SplitPartials:
+    """The K-split partial products ``part [splits, M, N]`` (fp32) of a matrix-vector product
+    whose sum (``part[0] + part[1] + ...`` in that order, then cast to ``dtype``, as
+    ``_split_sum_kernel`` adds them) is left to the kernel that reads the product (fusion
+    ``norm_sum``: the next RMSNorm; ``triton_fused.rms_norm``)."""
+
+    part: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.part.shape[1:]
+
+    def materialize(self) -> torch.Tensor:
+        """The summed product [M, N] in ``dtype`` (the bits of the unfused sum)."""
+        split, m, n = self.part.shape
+        out = torch.empty(m, n, device=self.part.device, dtype=self.dtype)
+        total = m * n
+        _split_sum_kernel[(-(-total // 1024),)](self.part, out, total, SPLIT=split, BLOCK=1024, num_warps=4,
+                                                **pdl())
+        return out
 
 
 def quantizable(rows: int, k: int) -> bool:
@@ -968,7 +995,8 @@ def loads_all_before_wait(pw: PackedWeight, rows: int) -> bool:
 
 
 def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
-                 config: GemvConfig | None = None, rope: RopeStore | None = None) -> torch.Tensor:
+                 config: GemvConfig | None = None, rope: RopeStore | None = None,
+                 defer_sum: bool = False) -> torch.Tensor | SplitPartials:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
 
     ``x`` may come quantized already (``QuantizedRows``), or be a ``triton_dense.PendingNorm``
@@ -977,7 +1005,8 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     ``gemv_config(N, K)`` (tests and tuning). ``rope`` (fusion ``qkv_rope``, when
     ``rope_epilogue_ok``): the q and k columns of the result come out rotated at each row's
     position and k and v are also stored at each row's slot: the bits of this product, then
-    ``triton_fused.rope_`` with the KV store."""
+    ``triton_fused.rope_`` with the KV store. ``defer_sum`` (fusion ``norm_sum``): a tiling
+    with K splits returns its ``SplitPartials`` unsummed (without ``rope``)."""
     from lodestar.kernels.triton_dense import PendingNorm
     norm = None
     if isinstance(x, PendingNorm):
@@ -1012,7 +1041,8 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     grid = (M, n_blocks, cfg.split_k)
     out = torch.empty(M, pw.n, device=device, dtype=out_dtype)
     part = out if cfg.split_k == 1 else torch.empty(cfg.split_k, M, pw.n, device=device, dtype=torch.float32)
-    fused_sum = cfg.split_k > 1 and "split_sum" in fusions()
+    defer_sum = defer_sum and cfg.split_k > 1 and rope is None
+    fused_sum = cfg.split_k > 1 and "split_sum" in fusions() and not defer_sum
     # sized for SMALL_M_MAX rows at once, so that later calls with more rows reuse it
     counters = _tile_counters(pw, max(M, SMALL_M_MAX) * n_blocks) if fused_sum else d1   # d1: never read
     codes = pw.codes.view(torch.int32)
@@ -1048,6 +1078,8 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                            GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
                            ASM=not interpreted(), PREFETCH=cfg.prefetch, STAGES=cfg.stages, UNROLL=cfg.unroll,
                            num_warps=cfg.num_warps, **pdl())
+    if defer_sum:
+        return SplitPartials(part, out_dtype)
     if cfg.split_k > 1 and not fused_sum:
         total = M * pw.n
         _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4,

@@ -96,6 +96,14 @@ class CudaQuantLinear(nn.Module):
         y = self._tq.matmul(x2, self.weight, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def forward_partials(self, x):
+        """``forward`` of ``QuantizedRows``, leaving the sum of a K-split tiling's partial products
+        to the kernel that reads them (``triton_quant.SplitPartials``; fusion ``norm_sum``);
+        a tiling without K splits returns the product itself."""
+        if isinstance(x, self._tq.QuantizedRows):
+            return self._tq.quant_matmul(x, self.weight, self.out_dtype, defer_sum=True)
+        return self.forward(x)
+
     def rope_store(self, x, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_k: int, head_dim: int):
         """A ``triton_quant.RopeStore`` with which ``forward_rope`` runs rows like ``x`` (this being a

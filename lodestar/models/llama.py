@@ -155,6 +155,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x, quantize: bool = False, glu_epilogue: bool = False) -> torch.Tensor:
         """``quantize`` (GPU): the activation kernel also quantizes its output for ``down``;
+        ``norm_sum`` with ``residual`` (GPU, fusions of those names): a quantized down
+        projection may return ``triton_quant.SplitPartials``, which the next RMSNorm sums.
         ``glu_epilogue`` (GPU, fusion of that name): a dense gate|up projection running one
         row through its matrix-vector kernel applies the activation to its own output
         (``CudaDenseLinear.forward_glu``; no activation kernel, same bits). ``x`` may be a
@@ -167,9 +169,12 @@ class LlamaMLP(nn.Module):
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         if quantize:
             from lodestar.kernels import triton_fused
-            from lodestar.layers.cuda_linear import launch_early, prefetch_arrays
+            from lodestar.kernels.triton_quant import fusions
+            from lodestar.layers.cuda_linear import CudaQuantLinear, launch_early, prefetch_arrays
             act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down, "down"),
                                         launch_next=launch_early("down", self.down, gate.shape[0]))
+            if isinstance(self.down, CudaQuantLinear) and {"norm_sum", "residual"} <= fusions():
+                return self.down.forward_partials(act)     # summed by the next RMSNorm
             return self.down(act)
         return self.down(silu_mul(gate, up))
 
@@ -190,12 +195,12 @@ class LlamaBlock(nn.Module):
                     batch: AttentionBatch, fuse: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` on the GPU with the decode fusions in ``fuse`` (``triton_quant.fusions``).
 
-        ``delta`` is the previous block's MLP output not yet added to ``x`` (None if it was);
-        the first norm adds it. Returns ``(h, mlp_out)``: the block's output is their sum, which
+        ``delta`` is the previous block's MLP output not yet added to ``x`` (None if it was;
+        ``triton_quant.SplitPartials`` with ``norm_sum``); the first norm adds it. Returns ``(h, mlp_out)``: the block's output is their sum, which
         the caller adds, or leaves to the next norm. Every fusion gives the same bits. With
         ``dense_norm`` the residual stream ``x``/``h`` is written by the projection that fuses
         the norm, so it is read only after that projection ran."""
-        from lodestar.kernels.triton_quant import quantizable
+        from lodestar.kernels.triton_quant import SplitPartials, quantizable
         from lodestar.layers.cuda_linear import (fork_side_prefetch, launch_early, prefetch_arrays,
                                                  takes_norm_prologue, takes_pending_input, takes_quantized_input)
         quant = "quant" in fuse and x.dtype == torch.bfloat16
@@ -207,6 +212,8 @@ class LlamaBlock(nn.Module):
                   or ("quant_norm" in fuse and takes_norm_prologue(self.attn.qkv, x)))
         n_mlp = "dense_norm" in fuse and takes_pending_input(self.mlp.gate_up, x)
         if n_attn:
+            if isinstance(delta, SplitPartials):
+                delta = delta.materialize()
             x, xn = self.attn_norm.pending(x, delta)
         elif delta is None:
             xn = self.attn_norm(x, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"),

@@ -136,6 +136,44 @@ def test_norm_quantized_input_gives_the_same_product(qtype, monkeypatch):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), m
 
 
+NORM_SUM_CASES = [  # (N = the norm's width, K, split_k, tile_groups): one program a row, and a row in slices
+    pytest.param(576, 1536, 4, 8, id="576-split4"),
+    pytest.param(2048, 512, 2, 8, id="2048-sliced-split2"),
+]
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_0, id="Q4_0"), pytest.param(tq.T.Q4_K, id="Q4_K")])
+@pytest.mark.parametrize("n,k,split,tile", NORM_SUM_CASES)
+@pytest.mark.parametrize("quantize", [False, True], ids=["bf16", "quantized"])
+def test_norm_summing_the_split_partials_gives_the_bits_of_the_summed_product(qtype, n, k, split, tile, quantize):
+    """Fusion ``norm_sum``: the product's K-split partials, left unsummed, then the residual
+    add + RMSNorm summing them itself, give the bits of the summed product (in-kernel split
+    sum, and the separate sum kernel) then the norm: its output, quantized form and residual."""
+    if qtype == tq.T.Q4_K and k % 256:
+        pytest.skip("K-quant rows are whole 256-weight blocks")
+    dev = kernel_device()
+    cfg = tq.GemvConfig(16, tile, split, 4)
+    pw = _weight(qtype, n, k, dev, seed=n + k)
+    w = (torch.rand(n, generator=torch.Generator().manual_seed(4)) + 0.5).to(dev)
+    for m in ((1, 3) if dev == "cuda" else (3,)):
+        x = tq.QuantizedRows(_x(m, k, seed=m).to(dev), *tq.quantize_x(_x(m, k, seed=m).to(dev)))
+        res = _x(m, n, seed=50 + m, scale=1.0).to(dev)
+        summed = tq.quant_matmul(x, pw, config=cfg)
+        parts = tq.quant_matmul(x, pw, config=cfg, defer_sum=True)
+        assert isinstance(parts, tq.SplitPartials) and parts.shape == summed.shape
+        assert _same_bits(parts.materialize(), summed)
+        want_y, want_h = tf.rms_norm(summed, w, 1e-5, residual=res, quantize=quantize)
+        got_y, got_h = tf.rms_norm(parts, w, 1e-5, residual=res, quantize=quantize)
+        assert _same_bits(got_h, want_h), m
+        if quantize:
+            assert _same_bits(got_y.x, want_y.x) and torch.equal(got_y.words, want_y.words)
+            assert _same_bits(got_y.d1, want_y.d1) and _same_bits(got_y.sums, want_y.sums)
+        else:
+            assert _same_bits(got_y, want_y), m
+    one = tq.quant_matmul(x, pw, config=tq.GemvConfig(16, tile, 1, 4), defer_sum=True)
+    assert isinstance(one, torch.Tensor)        # no K split: nothing to defer
+
+
 @pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_0, id="Q4_0"), pytest.param(tq.T.Q6_K, id="Q6_K")])
 def test_repeated_calls_on_the_same_buffers_give_the_same_bits(qtype, monkeypatch):
     """What a CUDA-graph replay does: the same launch again and again; each must find the

@@ -253,20 +253,26 @@ def test_mlp_decode_output_does_not_depend_on_the_glu_epilogue(kind, monkeypatch
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, monkeypatch):
-    """SmolLM2-135M's geometry in F16 (dense bf16 projections, one-row decode): prefill, then
-    teacher-forced decode; every logit the same bits with all fusions on and off."""
+@pytest.mark.parametrize("qtype", ["F16", "Q4_0"])
+def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, qtype, monkeypatch):
+    """SmolLM2-135M's geometry in F16 (dense bf16 projections) and Q4_0 (quantized ones, every
+    product in two K splits, so that the split sums, and down's sum in the next norm, run):
+    prefill, then teacher-forced one-row decode; every logit the same bits with all fusions
+    on and off."""
     from lodestar.engine.llm_engine import EngineConfig, LLMEngine
     from lodestar.engine.loader import LoadedModel
     from lodestar.engine.sequence import Sequence
     from lodestar.formats.synthetic import SyntheticCheckpoint, synthetic_tokenizer_metadata
-    from lodestar.layers.cuda_linear import CudaDenseLinear
+    from lodestar.layers.cuda_linear import CudaDenseLinear, CudaQuantLinear
     from lodestar.models import build_model
     from lodestar.tokenizer import Tokenizer
 
-    ck = SyntheticCheckpoint("smollm2-135m", "F16", device="cuda", n_layers=4)
+    if qtype == "Q4_0":
+        monkeypatch.setenv("LODESTAR_GEMV", "16,8,2,4,0,0,0,1")
+    ck = SyntheticCheckpoint("smollm2-135m", qtype, device="cuda", n_layers=4)
     model = build_model(ck.config, ck, "packed", device="cuda")
-    assert isinstance(model.layers[0].attn.qkv, CudaDenseLinear)        # the fused path applies
+    linear = CudaDenseLinear if qtype == "F16" else CudaQuantLinear
+    assert isinstance(model.layers[0].attn.qkv, linear) and isinstance(model.layers[0].mlp.down, linear)
     tok = Tokenizer.from_metadata(synthetic_tokenizer_metadata(ck.config.vocab_size))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, ck.config.vocab_size, (19,), generator=g).tolist()
