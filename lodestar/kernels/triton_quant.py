@@ -752,18 +752,23 @@ _NO_PREFETCH = (0,) * (3 * PREFETCH_RANGES)
 _PREFETCH_ARGS: dict[tuple, tuple[int, ...]] = {}
 
 
-def weight_prefetch_limit() -> int:
-    """The largest projection (all its weight arrays, bytes) whose weights the small kernel
-    before it in a decode step asks L2 for (env ``LODESTAR_WEIGHT_PREFETCH`` in MiB, default
-    4, ``0`` off; read at each call)."""
-    env = os.environ.get("LODESTAR_WEIGHT_PREFETCH", WEIGHT_PREFETCH_DEFAULT_MB).strip() or "0"
+def _env_mib(name: str, default: str) -> int:
+    """Env ``name`` (MiB, a number >= 0; unset: ``default``) in bytes."""
+    env = os.environ.get(name, default).strip() or "0"
     try:
         mib = float(env)
     except ValueError:
         mib = -1.0
     if mib < 0:
-        raise ValueError(f"LODESTAR_WEIGHT_PREFETCH={env!r}; give MiB (a number >= 0, 0: off)")
+        raise ValueError(f"{name}={env!r}; give MiB (a number >= 0, 0: off)")
     return int(mib * (1 << 20))
+
+
+def weight_prefetch_limit() -> int:
+    """The largest projection (all its weight arrays, bytes) whose weights the small kernel
+    before it in a decode step asks L2 for (env ``LODESTAR_WEIGHT_PREFETCH`` in MiB, default
+    4, ``0`` off; read at each call)."""
+    return _env_mib("LODESTAR_WEIGHT_PREFETCH", WEIGHT_PREFETCH_DEFAULT_MB)
 
 
 def weight_prefetch_form() -> int:
@@ -860,14 +865,7 @@ def side_prefetch_limit() -> int:
     Q4_K 538.4), an evict-last hint on the prefetch (run 72: 582.2 against ~581 without).
     Shipped with q|k|v launched early (run 77, against neither): Q4_0 560.5 -> 575.2, Q4_K
     534.4 -> 551.2; Llama-3.2-1B Q4_0 (run 76) 1,828.9 -> 1,832.4."""
-    env = os.environ.get("LODESTAR_SIDE_PREFETCH", SIDE_PREFETCH_DEFAULT_MB).strip() or "0"
-    try:
-        mib = float(env)
-    except ValueError:
-        mib = -1.0
-    if mib < 0:
-        raise ValueError(f"LODESTAR_SIDE_PREFETCH={env!r}; give MiB (a number >= 0, 0: off)")
-    return int(mib * (1 << 20))
+    return _env_mib("LODESTAR_SIDE_PREFETCH", SIDE_PREFETCH_DEFAULT_MB)
 
 
 def head_ranges(arrays: list[torch.Tensor], limit: int) -> list[tuple[int, int]]:
