@@ -196,8 +196,9 @@ class LlamaBlock(nn.Module):
         """``forward`` on the GPU with the decode fusions in ``fuse`` (``triton_quant.fusions``).
 
         ``delta`` is the previous block's MLP output not yet added to ``x`` (None if it was;
-        ``triton_quant.SplitPartials`` with ``norm_sum``); the first norm adds it. Returns ``(h, mlp_out)``: the block's output is their sum, which
-        the caller adds, or leaves to the next norm. Every fusion gives the same bits. With
+        ``triton_quant.SplitPartials`` with ``norm_sum``); the first norm adds it. Returns
+        ``(h, mlp_out)``: the block's output is their sum, which the caller adds, or leaves to
+        the next norm. Every fusion gives the same bits. With
         ``dense_norm`` the residual stream ``x``/``h`` is written by the projection that fuses
         the norm, so it is read only after that projection ran."""
         from lodestar.kernels.triton_quant import SplitPartials, quantizable
