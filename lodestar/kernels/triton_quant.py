@@ -265,10 +265,12 @@ class SplitPartials:
     def shape(self) -> torch.Size:
         return self.part.shape[1:]
 
-    def materialize(self) -> torch.Tensor:
-        """The summed product [M, N] in ``dtype`` (the bits of the unfused sum)."""
+    def materialize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The summed product [M, N] in ``dtype`` (the bits of the unfused sum), into ``out``
+        when given."""
         split, m, n = self.part.shape
-        out = torch.empty(m, n, device=self.part.device, dtype=self.dtype)
+        if out is None:
+            out = torch.empty(m, n, device=self.part.device, dtype=self.dtype)
         total = m * n
         _split_sum_kernel[(-(-total // 1024),)](self.part, out, total, SPLIT=split, BLOCK=1024, num_warps=4,
                                                 **pdl())
@@ -1079,9 +1081,7 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     if defer_sum:
         return SplitPartials(part, out_dtype)
     if cfg.split_k > 1 and not fused_sum:
-        total = M * pw.n
-        _split_sum_kernel[(-(-total // 1024),)](part, out, total, SPLIT=cfg.split_k, BLOCK=1024, num_warps=4,
-                                                **pdl())
+        SplitPartials(part, out_dtype).materialize(out)
     return out
 
 
