@@ -28,8 +28,10 @@ sets, so filling one step's inputs never waits for the step still queued. On the
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,20 @@ from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@contextmanager
+def _no_gc():
+    """Python's garbage collector held off for a CUDA-graph capture: a collection inside it
+    may destroy an unreachable earlier engine's graphs, a CUDA call that invalidates the
+    capture (torch itself collects once before the capture begins)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass
@@ -197,7 +213,7 @@ class ModelRunner:
         if self._prefill_pool is None:
             self._prefill_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._prefill_pool):
+        with _no_gc(), torch.cuda.graph(graph, pool=self._prefill_pool):
             g["logits"] = forward()
         g["graph"] = graph
         self.prefill_buckets[size] = g
@@ -294,7 +310,7 @@ class ModelRunner:
         torch.cuda.current_stream(dev).wait_stream(stream)
         res.zero_()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with _no_gc(), torch.cuda.graph(graph):
             g["logits"] = self._forward_logits(g)
             greedy_into(g["logits"], res)
         g["graph"] = graph

@@ -80,7 +80,11 @@ Kernels (reference in brackets, same module):
 
 Decode fusions (``fusions()``, env ``LODESTAR_FUSE``: unset or ``1`` all, ``0`` none, or a
 comma list of ``quant``, ``split_sum``, ``residual``, ``dense_norm``, ``attn_rope``,
-``attn_reduce``, ``attn_quant``, ``glu_epilogue``, ``qkv_rope``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or off the results are the same bits.
+``attn_reduce``, ``attn_quant``, ``glu_epilogue``, ``qkv_rope``, ``quant_norm``, ``norm_sum``,
+``glu_quant``; unset: ``DEFAULT_FUSIONS``) only remove kernel launches; with any of them on or
+off the results are the same bits, except ``glu_quant``, whose gate|up tiling
+(``glu_gemv_config``) adds each row's products in another order than the plain product's
+(``gemv_config``), as any other tiling would.
 
 ``import triton`` happens only when CUDA is available or ``TRITON_INTERPRET=1`` (the
 interpreter runs the same kernels on CPU tensors, which is how the tests exercise them
@@ -162,7 +166,7 @@ _PDL_DEVICE: bool | None = None
 
 
 FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_reduce", "attn_quant",
-           "glu_epilogue", "qkv_rope", "quant_norm", "norm_sum")
+           "glu_epilogue", "qkv_rope", "quant_norm", "norm_sum", "glu_quant")
 # On unless LODESTAR_FUSE says otherwise. attn_rope and attn_reduce are left out: the H200
 # measured one-stream decode slower with each (run 20, same tokens, on top of the others:
 # attn_rope 8B F16 247.3 -> 245.4 tok/s, 8B Q4_0 500.7 -> 478.2, SmolLM2 F16 1,612 -> 1,556;
@@ -187,9 +191,16 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # 535.0 -> 501.2 / 504.5; each of down's 896 programs recomputes its slice of the
 # activation (every value 128 times), on each tile's critical path.
 # norm_sum (a quantized down projection with K splits leaves its partial sums to the next
-# RMSNorm: no counters, barrier or acquire-release epilogue in its programs) is new and not
-# yet measured on the GPU; off until it is.
-DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope")
+# RMSNorm: no counters, barrier or acquire-release epilogue in its programs) joined after runs
+# 78, 82 and 84 (same tokens; run 84: 8B Q4_K 551.7 -> 557.6 tok/s, Llama-3.2-1B Q4_0 1,832.6
+# -> 1,858.7, 8B Q4_0 574.1 -> 573.5, SmolLM2-135M Q4_0, whose products do not split,
+# 1,874.2 -> 1,871.7).
+# glu_quant (the packed gate|up projection in 64-row programs, 32 gate and 32 up rows, applies
+# SiLU·mul and quantizes for down: no activation kernel) is left out: run 82, same tokens, 8B
+# Q4_0 573.7 -> 577.6 tok/s, but Q4_K 551.3 -> 484.7 (64-row Q4_K tiles stream slowly: 497-511
+# with the plain product in such tiles, run 81) and SmolLM2-135M Q4_0 1,873.9 -> 1,840.8.
+DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope",
+                   "norm_sum")
 
 
 def fusions() -> frozenset[str]:
@@ -212,7 +223,10 @@ def fusions() -> frozenset[str]:
     packed projection whose tiling holds whole rows in one tile (``norm_prologue_ok``)
     computes the RMSNorm (with its residual add) that feeds it and quantizes it in each
     program's prologue (``quant_matmul`` of a ``triton_dense.PendingNorm``; no norm
-    kernel)."""
+    kernel); ``norm_sum``: a packed down projection with K splits leaves its partial
+    products to the next RMSNorm, which adds them (``SplitPartials``); ``glu_quant``: a
+    packed gate|up projection applies the gated activation to its own output and quantizes
+    it for down (``quant_glu``; no activation kernel)."""
     env = os.environ.get("LODESTAR_FUSE", "").strip()
     if env in ("", "default"):
         return frozenset(DEFAULT_FUSIONS)
@@ -1085,6 +1099,68 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     return out
 
 
+GLU_GEMV_DEFAULT = "64,16,1,4,0,0,0,1"
+
+
+def glu_gemv_config(pw: PackedWeight) -> GemvConfig:
+    """Tiling of a gate|up product that applies the gated activation itself (``quant_glu``):
+    env ``LODESTAR_GLU_GEMV`` in ``LODESTAR_GEMV``'s form, else ``GLU_GEMV_DEFAULT`` (32 gate
+    and 32 up rows a program, 16-group tiles, 4 warps: as a plain tiling of the 8B Q4_0
+    gate|up it decoded 572.6 tok/s against the shipped 8 x 32 x 1 warp's 573.5, H200 run 81),
+    its tile cut to the row's groups. Read at each call. With the fusion on (run 82, same
+    tokens), 8B Q4_0 decoded 573.7 -> 577.6 tok/s in this tiling, 544.8 in 64 x 32 groups,
+    577.2 in 128 x 16 x 8 warps, 510.9 in 64 x 16 x 2 warps; Q4_K 551.3 -> 484.7."""
+    cfg = parse_gemv_config(os.environ.get("LODESTAR_GLU_GEMV", "").strip() or GLU_GEMV_DEFAULT)
+    tile = cfg.tile_groups
+    while tile > 1 and tile > pw.k // GROUP:
+        tile //= 2
+    return replace(cfg, tile_groups=tile)
+
+
+def glu_epilogue_ok(pw: PackedWeight, rows: int, ffn: int, config: GemvConfig | None = None) -> bool:
+    """Whether ``quant_glu`` runs ``rows`` rows over ``pw`` as a gate|up weight of 2 * ``ffn``
+    rows (gate rows, then up rows): a word-tile type, a tiling without K splits whose
+    programs hold whole 32-unit groups of both halves, at most ``SMALL_M_MAX`` rows."""
+    if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.n != 2 * ffn:
+        return False
+    cfg = config or glu_gemv_config(pw)
+    half = cfg.block_n // 2
+    return cfg.words and cfg.split_k == 1 and half % GROUP == 0 and ffn % half == 0
+
+
+def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None = None) -> QuantizedRows:
+    """``act(x @ gate.T) * (x @ up.T)`` for a gate|up weight ``pw`` of 2 * ``ffn`` rows (gate
+    rows, then up rows), quantized for the next projection, in one kernel (fusion
+    ``glu_quant``): the bits of ``quant_matmul`` with the same tiling, then
+    ``triton_fused.silu_mul`` / ``gelu_tanh_mul`` with ``quantize=True`` (``act``:
+    ``triton_dense.SILU`` / ``GELU_TANH``). ``x``: bf16 [M, K] or ``QuantizedRows``;
+    ``config`` replaces ``glu_gemv_config`` (tests)."""
+    M, K = x.shape
+    if K != pw.k:
+        raise ValueError(f"x has {K} features, weight expects {pw.k}")
+    cfg = config or glu_gemv_config(pw)
+    if not glu_epilogue_ok(pw, M, ffn, cfg):
+        raise ValueError(f"quant_glu: {pw.qtype.name} [{pw.n}, {pw.k}] with {cfg} cannot run {M} rows as a "
+                         f"gate|up of 2 x {ffn} (see glu_epilogue_ok)")
+    if isinstance(x, QuantizedRows):
+        words, d1, sums, dtype = x.words, x.d1, x.sums, x.x.dtype
+    else:
+        dtype = x.dtype
+        words, d1, sums = quantize_x(x.to(torch.bfloat16).contiguous())
+    groups = pw.k // GROUP
+    out = torch.empty(M, ffn, device=words.device, dtype=dtype)
+    qw, qd, qs = QuantizedRows.empty(M, ffn, words.device)
+    even = groups % cfg.tile_groups == 0
+    _gemv_words_kernel[(M, pw.n // cfg.block_n, 1)](
+        words, d1, sums, out, out, d1, pw.codes.view(torch.int32), *_ptr_args(pw)[1:], pw.n, ffn, 0,
+        *(d1,) * 6, *(0,) * 5, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
+        GROUPS_PER_SPLIT=groups, SPLIT=1, LAST_SUMS=False, ASM=not interpreted(), STAGES=cfg.stages,
+        UNROLL=cfg.unroll, EVEN=even, EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), ROPE=False, NQ=0,
+        NK=0, HD=0, EVICT=weight_evict(pw.qtype), qw_ptr=qw, qd_ptr=qd, qs_ptr=qs, F=ffn, GLU=act,
+        num_warps=cfg.num_warps, **pdl())
+    return QuantizedRows(out, qw, qd, qs)
+
+
 def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The whole weight [N, K] in ``dtype`` (bf16 rounding of the exact fp32 values)."""
     out = torch.empty(pw.n, pw.k, device=pw.device, dtype=dtype)
@@ -1111,7 +1187,7 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
-    from lodestar.kernels.triton_dense import _pdl_enter, _residual_chunk, _rms_apply, _rms_rstd
+    from lodestar.kernels.triton_dense import _glu_act, _pdl_enter, _residual_chunk, _rms_apply, _rms_rstd
 
     @triton.jit
     def _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr):
@@ -1728,7 +1804,8 @@ if triton_enabled():
                            EARLY: tl.constexpr, ROPE: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr,
                            HD: tl.constexpr, PDL: tl.constexpr, nx_ptr=None, nr_ptr=None, nw_ptr=None,
                            h_ptr=None, eps=0.0, NORM: tl.constexpr = False, NORM_RES: tl.constexpr = False,
-                           EVICT: tl.constexpr = ""):
+                           EVICT: tl.constexpr = "", qw_ptr=None, qd_ptr=None, qs_ptr=None, F=0,
+                           GLU: tl.constexpr = -1):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied). EARLY: the first
         tile's code words are loaded before the wait for the previous kernel (weights only).
@@ -1737,12 +1814,18 @@ if triton_enabled():
         ``quant_norm``; ``norm_prologue_ok``: one tile of whole rows, EVEN): x is the RMSNorm
         of row ``nx`` (plus ``nr`` with NORM_RES; programs of row block 0 write that sum to
         ``h``) with fp32 weights ``nw``, quantized as ``quantize_x`` does, all in this
-        program; the norm weights are read before the wait."""
+        program; the norm weights are read before the wait. GLU (fusion ``glu_quant``; the
+        activation, ``triton_dense.SILU`` / ``GELU_TANH``; -1: off): a gate|up weight of
+        2 * F rows, program rows in ``_glu_rows`` order, final sums through
+        ``_glu_quant_store`` (the gated activation [M, F] into ``out`` and its quantized
+        form into ``qw``, ``qd``, ``qs``)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
         if ROPE:
             offs_n = _rope_rows(pid_n, BLOCK_N, HD)
+        elif GLU >= 0:
+            offs_n = _glu_rows(pid_n, BLOCK_N, F)
         else:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -1797,9 +1880,38 @@ if triton_enabled():
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
                                    EVICT=EVICT)
-        _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
-                    stride_om, stride_split, SPLIT, LAST_SUMS, ROPE, rc, rs, slot, kc_ptr, vc_ptr, skc0, skc1,
-                    svc0, svc1, NQ, NK, HD)
+        if GLU >= 0:
+            _glu_quant_store(tl.sum(acc, axis=1), out_ptr, qw_ptr, qd_ptr, qs_ptr, pid_m, pid_n, F, GLU)
+        else:
+            _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
+                        stride_om, stride_split, SPLIT, LAST_SUMS, ROPE, rc, rs, slot, kc_ptr, vc_ptr, skc0, skc1,
+                        svc0, svc1, NQ, NK, HD)
+
+    @triton.jit
+    def _glu_rows(pid_n, BLOCK_N: tl.constexpr, F):
+        """Rows of gate|up program ``pid_n`` under the fusion ``glu_quant``: BLOCK_N/2 gate rows
+        and the up rows of the same units (``F`` rows further), so the program holds both
+        factors of every activation value it writes, whole 32-value groups of them."""
+        H2: tl.constexpr = BLOCK_N // 2
+        i = tl.arange(0, BLOCK_N)
+        return pid_n * H2 + (i % H2) + (i // H2) * F
+
+    @triton.jit
+    def _glu_quant_store(y, out_ptr, qw_ptr, qd_ptr, qs_ptr, pid_m, pid_n, F, ACT: tl.constexpr):
+        """Final sums ``y [BN]`` of a gate|up tile in ``_glu_rows`` order: each rounded to
+        ``out``'s dtype as the product's output would be, then ``act(gate) * up`` rounded
+        again and quantized, the bits of ``triton_fused._glu_block`` with QUANT over that
+        output (units ``pid_n * BN/2 ..`` of row ``pid_m``; F a multiple of BN/2)."""
+        BN: tl.constexpr = y.shape[0]
+        H2: tl.constexpr = BN // 2
+        GB: tl.constexpr = H2 // 32
+        yb = y.to(out_ptr.dtype.element_ty)
+        g, u = tl.split(tl.permute(tl.reshape(yb, (2, H2)), (1, 0)))
+        a = _glu_act(g.to(tl.float32), u.to(tl.float32), ACT).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + pid_m.to(tl.int64) * F + pid_n * H2 + tl.arange(0, H2), a)
+        w1, w2, d1, sa, sb = _quant_groups(tl.reshape(a.to(tl.float32), (GB, 32)), GB)
+        grp = pid_m.to(tl.int64) * (F // 32) + pid_n * GB + tl.arange(0, GB)
+        _store_quant_groups(qw_ptr, qd_ptr, qs_ptr, grp, grp >= 0, w1, w2, d1, sa, sb)
 
     @triton.jit
     def _prefetch_l2(ptrs):

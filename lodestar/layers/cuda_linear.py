@@ -104,6 +104,13 @@ class CudaQuantLinear(nn.Module):
             return self._tq.quant_matmul(x, self.weight, self.out_dtype, defer_sum=True)
         return self.forward(x)
 
+    def forward_glu_quant(self, x, ffn: int, act: int):
+        """This gate|up projection (gate rows, then up rows, ``ffn`` each) with the gated
+        activation (``triton_dense.SILU`` / ``GELU_TANH``) applied to its output and quantized
+        for the next projection in the same kernel (``triton_quant.quant_glu``): a
+        ``QuantizedRows`` of [rows, ffn]. Only where ``takes_glu_quant``."""
+        return self._tq.quant_glu(x, self.weight, ffn, act)
+
     def rope_store(self, x, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_k: int, head_dim: int):
         """A ``triton_quant.RopeStore`` with which ``forward_rope`` runs rows like ``x`` (this being a
@@ -156,6 +163,16 @@ def takes_glu_epilogue(module: object, x) -> bool:
     ``triton_dense.PendingNorm``): ``CudaDenseLinear.forward_glu`` in one kernel (fusion
     ``glu_epilogue``)."""
     return isinstance(module, CudaDenseLinear) and module.fuses_glu(x)
+
+
+def takes_glu_quant(module: object, x, ffn: int) -> bool:
+    """Whether ``module`` is a packed gate|up projection (2 * ``ffn`` rows) that applies the
+    gated activation to its own output and quantizes it for down, for rows like ``x``
+    (``QuantizedRows`` or a bf16 tensor; fusion ``glu_quant``, ``triton_quant.glu_epilogue_ok``)."""
+    if not isinstance(module, CudaQuantLinear) or len(x.shape) != 2:
+        return False
+    from lodestar.kernels.triton_quant import fusions, glu_epilogue_ok
+    return "glu_quant" in fusions() and glu_epilogue_ok(module.weight, x.shape[0], ffn)
 
 
 PREFETCH_SITES = ("qkv", "o", "gate_up", "down", "head")

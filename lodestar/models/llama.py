@@ -154,7 +154,8 @@ class LlamaMLP(nn.Module):
         self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
     def forward(self, x, quantize: bool = False, glu_epilogue: bool = False) -> torch.Tensor:
-        """``quantize`` (GPU): the activation kernel also quantizes its output for ``down``;
+        """``quantize`` (GPU): the activation kernel also quantizes its output for ``down``
+        (fusion ``glu_quant``: a packed gate|up projection does both itself);
         ``norm_sum`` with ``residual`` (GPU, fusions of those names): a quantized down
         projection may return ``triton_quant.SplitPartials``, which the next RMSNorm sums.
         ``glu_epilogue`` (GPU, fusion of that name): a dense gate|up projection running one
@@ -166,16 +167,21 @@ class LlamaMLP(nn.Module):
             from lodestar.layers.cuda_linear import takes_glu_epilogue
             if takes_glu_epilogue(self.gate_up, x):
                 return self.down(self.gate_up.forward_glu(x, SILU))
-        gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         if quantize:
             from lodestar.kernels import triton_fused
+            from lodestar.kernels.triton_dense import SILU
             from lodestar.kernels.triton_quant import fusions
-            from lodestar.layers.cuda_linear import CudaQuantLinear, launch_early, prefetch_arrays
-            act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down, "down"),
-                                        launch_next=launch_early("down", self.down, gate.shape[0]))
+            from lodestar.layers.cuda_linear import CudaQuantLinear, launch_early, prefetch_arrays, takes_glu_quant
+            if takes_glu_quant(self.gate_up, x, self.ffn_dim):
+                act = self.gate_up.forward_glu_quant(x, self.ffn_dim, SILU)
+            else:
+                gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
+                act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down, "down"),
+                                            launch_next=launch_early("down", self.down, gate.shape[0]))
             if isinstance(self.down, CudaQuantLinear) and {"norm_sum", "residual"} <= fusions():
                 return self.down.forward_partials(act)     # summed by the next RMSNorm
             return self.down(act)
+        gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         return self.down(silu_mul(gate, up))
 
 

@@ -136,3 +136,25 @@ def test_turning_overlap_off_finishes_the_queued_step_first(model):
             got += out.token_ids
     assert got == want
     assert e.stats["overlapped_steps"] == launched      # nothing queued after the switch
+
+
+def test_graph_captures_hold_the_garbage_collector_off_and_restore_it():
+    """A collection inside a CUDA-graph capture could destroy an earlier engine's graphs (a
+    CUDA call that invalidates the capture); the runner's captures run with it held off."""
+    import gc
+
+    from lodestar.engine.model_runner import _no_gc
+    assert gc.isenabled()
+    with _no_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _no_gc():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _no_gc():
+            pass
+        assert not gc.isenabled()           # left as the caller had it
+    finally:
+        gc.enable()

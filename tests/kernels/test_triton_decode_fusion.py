@@ -174,6 +174,61 @@ def test_norm_summing_the_split_partials_gives_the_bits_of_the_summed_product(qt
     assert isinstance(one, torch.Tensor)        # no K split: nothing to defer
 
 
+GLU_TYPES = [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE]
+
+
+@pytest.mark.parametrize("qtype", GLU_TYPES)
+@pytest.mark.parametrize("block_n,tile", [(64, 8), (128, 16)], ids=["64rows", "128rows"])
+@pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu_tanh"])
+def test_gate_up_with_the_activation_in_its_epilogue_gives_the_bits_of_product_then_activation(
+        qtype, block_n, tile, act):
+    """Fusion ``glu_quant``: the gate|up kernel holding gate and up rows of the same units
+    writes the gated activation and its quantized form, bit for bit what the product with
+    the same tiling, then the activation kernel with ``quantize=True`` give."""
+    from lodestar.kernels.triton_dense import GELU_TANH, SILU
+    dev = kernel_device()
+    ffn, k = 2 * block_n, 512
+    cfg = tq.GemvConfig(block_n, tile, 1, 4, words=True)
+    pw = _weight(qtype, 2 * ffn, k, dev, seed=ffn + act)
+    assert tq.glu_epilogue_ok(pw, 3, ffn, cfg)
+    glu = tf.silu_mul if act == SILU else tf.gelu_tanh_mul
+    for m in ((1, 3, 8) if dev == "cuda" else (3,)):
+        x = _x(m, k, seed=m).to(dev)
+        for given in (x, tq.QuantizedRows(x, *tq.quantize_x(x))):
+            product = tq.quant_matmul(given, pw, config=cfg)
+            want = glu(product[:, :ffn], product[:, ffn:], quantize=True)
+            got = tq.quant_glu(given, pw, ffn, SILU if act == SILU else GELU_TANH, config=cfg)
+            assert _same_bits(got.x, want.x), m
+            assert torch.equal(got.words, want.words)
+            assert _same_bits(got.d1, want.d1) and _same_bits(got.sums, want.sums)
+
+
+def test_glu_epilogue_ok_refuses_what_the_kernel_cannot_run():
+    pw = _weight(tq.T.Q4_0, 256, 512, "cpu", seed=3)
+    words = tq.GemvConfig(64, 8, 1, 4, words=True)
+    assert tq.glu_epilogue_ok(pw, 1, 128, words)
+    assert not tq.glu_epilogue_ok(pw, 1, 64, words)                                  # not 2 x ffn rows
+    assert not tq.glu_epilogue_ok(pw, 0, 128, words)
+    assert not tq.glu_epilogue_ok(pw, tq.SMALL_M_MAX + 1, 128, words)
+    assert not tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(64, 8, 2, 4, words=True))  # K split
+    assert not tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(32, 8, 1, 4, words=True))  # 16-unit halves
+    assert not tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(64, 8, 1, 4))             # group-tile kernel
+    odd = _weight(tq.T.Q4_0, 160, 512, "cpu", seed=4)
+    assert not tq.glu_epilogue_ok(odd, 1, 80, words)                                  # 80 units: not whole halves
+    with pytest.raises(ValueError, match="glu_epilogue_ok"):
+        tq.quant_glu(torch.zeros(1, 512, dtype=torch.bfloat16), odd, 80, 0, config=words)
+
+
+def test_glu_gemv_config_reads_its_env_and_fits_the_row(monkeypatch):
+    pw = _weight(tq.T.Q4_0, 256, 256, "cpu", seed=5)                     # 8 groups a row
+    monkeypatch.delenv("LODESTAR_GLU_GEMV", raising=False)
+    cfg = tq.glu_gemv_config(pw)
+    assert (cfg.block_n, cfg.tile_groups, cfg.split_k, cfg.num_warps, cfg.words) == (64, 8, 1, 4, True)
+    monkeypatch.setenv("LODESTAR_GLU_GEMV", "128,4,1,8,0,0,0,1")
+    cfg = tq.glu_gemv_config(pw)
+    assert (cfg.block_n, cfg.tile_groups, cfg.num_warps) == (128, 4, 8)
+
+
 @pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_0, id="Q4_0"), pytest.param(tq.T.Q6_K, id="Q6_K")])
 def test_repeated_calls_on_the_same_buffers_give_the_same_bits(qtype, monkeypatch):
     """What a CUDA-graph replay does: the same launch again and again; each must find the

@@ -253,22 +253,26 @@ def test_mlp_decode_output_does_not_depend_on_the_glu_epilogue(kind, monkeypatch
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("qtype", ["F16", "Q4_0"])
-def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, qtype, monkeypatch):
-    """SmolLM2-135M's geometry in F16 (dense bf16 projections) and Q4_0 (quantized ones, every
-    product in two K splits, so that the split sums, and down's sum in the next norm, run):
-    prefill, then teacher-forced one-row decode; every logit the same bits with all fusions
-    on and off."""
+@pytest.mark.parametrize("qtype,tiling,glu", [("F16", None, False), ("Q4_0", "16,8,2,4,0,0,0,1", False),
+                                              ("Q4_0", "64,8,1,4,0,0,0,1", True)], ids=["F16", "Q4_0-split", "Q4_0-glu"])
+def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, qtype, tiling, glu, monkeypatch):
+    """SmolLM2-135M's geometry in F16 (dense bf16 projections) and Q4_0 (quantized ones): every
+    product in two K splits, so that the split sums, and down's sum in the next norm, run
+    (``glu_quant`` left out: its gate|up tiling cannot split K); and every product in tiles of
+    64 rows, the gate|up kernel's with the activation too (``glu_quant``). Prefill, then
+    teacher-forced one-row decode; every logit the same bits with the fusions on and off."""
     from lodestar.engine.llm_engine import EngineConfig, LLMEngine
     from lodestar.engine.loader import LoadedModel
     from lodestar.engine.sequence import Sequence
     from lodestar.formats.synthetic import SyntheticCheckpoint, synthetic_tokenizer_metadata
-    from lodestar.layers.cuda_linear import CudaDenseLinear, CudaQuantLinear
+    from lodestar.kernels.triton_quant import FUSIONS
+    from lodestar.layers.cuda_linear import CudaDenseLinear, CudaQuantLinear, takes_glu_quant
     from lodestar.models import build_model
     from lodestar.tokenizer import Tokenizer
 
-    if qtype == "Q4_0":
-        monkeypatch.setenv("LODESTAR_GEMV", "16,8,2,4,0,0,0,1")
+    if tiling:
+        monkeypatch.setenv("LODESTAR_GEMV", tiling)
+        monkeypatch.setenv("LODESTAR_GLU_GEMV", tiling)
     ck = SyntheticCheckpoint("smollm2-135m", qtype, device="cuda", n_layers=4)
     model = build_model(ck.config, ck, "packed", device="cuda")
     linear = CudaDenseLinear if qtype == "F16" else CudaQuantLinear
@@ -291,6 +295,9 @@ def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, qtype, monk
         engine.pool.free(seq.block_table)
         return torch.stack(rows)
 
-    fused, unfused = run("1"), run("0")
+    monkeypatch.setenv("LODESTAR_FUSE", "1")
+    mlp = model.layers[0].mlp
+    assert takes_glu_quant(mlp.gate_up, torch.empty(1, ck.config.d_model), mlp.ffn_dim) == glu
+    fused, unfused = run("1" if glu or qtype == "F16" else ",".join(n for n in FUSIONS if n != "glu_quant")), run("0")
     assert torch.isfinite(fused).all()
     assert torch.equal(fused.view(torch.int32), unfused.view(torch.int32))
