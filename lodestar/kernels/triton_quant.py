@@ -195,12 +195,12 @@ FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_rope", "attn_re
 # 78, 82 and 84 (same tokens; run 84: 8B Q4_K 551.7 -> 557.6 tok/s, Llama-3.2-1B Q4_0 1,832.6
 # -> 1,858.7, 8B Q4_0 574.1 -> 573.5, SmolLM2-135M Q4_0, whose products do not split,
 # 1,874.2 -> 1,871.7).
-# glu_quant (the packed gate|up projection in 64-row programs, 32 gate and 32 up rows, applies
-# SiLU·mul and quantizes for down: no activation kernel) is left out: run 82, same tokens, 8B
-# Q4_0 573.7 -> 577.6 tok/s, but Q4_K 551.3 -> 484.7 (64-row Q4_K tiles stream slowly: 497-511
-# with the plain product in such tiles, run 81) and SmolLM2-135M Q4_0 1,873.9 -> 1,840.8.
+# glu_quant (a packed gate|up projection in 64-row programs, 32 gate and 32 up rows, applies
+# SiLU·mul and quantizes for down: no activation kernel) acts only on the shapes the tiling
+# table lists for it (``glu_gemv_config``: on the H200 the 8B Q4_0 gate|up, run 82, same
+# tokens, 573.7 -> 577.6 tok/s; Q4_K and SmolLM2 measured slower).
 DEFAULT_FUSIONS = ("quant", "split_sum", "residual", "dense_norm", "attn_quant", "glu_epilogue", "qkv_rope",
-                   "norm_sum")
+                   "norm_sum", "glu_quant")
 
 
 def fusions() -> frozenset[str]:
@@ -226,7 +226,8 @@ def fusions() -> frozenset[str]:
     kernel); ``norm_sum``: a packed down projection with K splits leaves its partial
     products to the next RMSNorm, which adds them (``SplitPartials``); ``glu_quant``: a
     packed gate|up projection applies the gated activation to its own output and quantizes
-    it for down (``quant_glu``; no activation kernel)."""
+    it for down (``quant_glu``, where ``glu_gemv_config`` gives it a tiling; no activation
+    kernel)."""
     env = os.environ.get("LODESTAR_FUSE", "").strip()
     if env in ("", "default"):
         return frozenset(DEFAULT_FUSIONS)
@@ -1099,31 +1100,65 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     return out
 
 
-GLU_GEMV_DEFAULT = "64,16,1,4,0,0,0,1"
+_GLU_CONFIGS: dict[tuple, GemvConfig | None] = {}
 
 
-def glu_gemv_config(pw: PackedWeight) -> GemvConfig:
-    """Tiling of a gate|up product that applies the gated activation itself (``quant_glu``):
-    env ``LODESTAR_GLU_GEMV`` in ``LODESTAR_GEMV``'s form, else ``GLU_GEMV_DEFAULT`` (32 gate
-    and 32 up rows a program, 16-group tiles, 4 warps: as a plain tiling of the 8B Q4_0
-    gate|up it decoded 572.6 tok/s against the shipped 8 x 32 x 1 warp's 573.5, H200 run 81),
-    its tile cut to the row's groups. Read at each call. With the fusion on (run 82, same
-    tokens), 8B Q4_0 decoded 573.7 -> 577.6 tok/s in this tiling, 544.8 in 64 x 32 groups,
-    577.2 in 128 x 16 x 8 warps, 510.9 in 64 x 16 x 2 warps; Q4_K 551.3 -> 484.7."""
-    cfg = parse_gemv_config(os.environ.get("LODESTAR_GLU_GEMV", "").strip() or GLU_GEMV_DEFAULT)
-    tile = cfg.tile_groups
-    while tile > 1 and tile > pw.k // GROUP:
-        tile //= 2
-    return replace(cfg, tile_groups=tile)
+def glu_gemv_config(pw: PackedWeight) -> GemvConfig | None:
+    """Tiling of a gate|up product that applies the gated activation itself (fusion
+    ``glu_quant``), or None where that product does not: env ``LODESTAR_GLU_GEMV``, a tiling
+    in ``LODESTAR_GEMV``'s form for every gate|up weight, or ``off``; unset: the
+    ``GLU:TYPE:n,k`` entry (``glu_entry``) of the table ``LODESTAR_GEMV_TABLE`` names (``off``:
+    none), else of the shipped table for this GPU model (``gemv_tuned.json``); else None. The
+    tile is cut to the row's groups. Read at each call.
+
+    H200, 8B one-stream decode, same tokens (run 82): Q4_0 573.7 -> 577.6 tok/s in 64 rows x
+    16 groups x 4 warps (the table's entry), 544.8 in 64 x 32 groups, 577.2 in 128 x 16 x 8
+    warps, 510.9 in 64 x 16 x 2 warps; Q4_K 551.3 -> 484.7 in 64 x 16 x 4 (64-row Q4_K tiles
+    stream slowly: 497-511 tok/s for the plain product in such tiles, run 81); SmolLM2-135M
+    Q4_0 1,873.9 -> 1,840.8. So only the 8B Q4_0 gate|up has an entry."""
+    env = os.environ.get("LODESTAR_GLU_GEMV", "").strip()
+    table = os.environ.get("LODESTAR_GEMV_TABLE", "").strip()
+    key = (pw.n, pw.k, int(pw.qtype), pw.device.type, env, table)
+    if key in _GLU_CONFIGS:
+        return _GLU_CONFIGS[key]
+    if env == "off" or (not env and table == "off"):
+        cfg = None
+    elif env:
+        cfg = parse_gemv_config(env)
+    elif table:
+        with open(table) as f:
+            doc = json.load(f)
+        cfg = glu_entry(doc.get("table", doc), pw.n, pw.k, pw.qtype)
+    elif pw.device.type == "cuda":
+        tables = json.loads(TUNED_TABLE.read_text())
+        cfg = glu_entry(tables.get(torch.cuda.get_device_name(pw.device), {}), pw.n, pw.k, pw.qtype)
+    else:
+        cfg = None
+    if cfg is not None:
+        tile = cfg.tile_groups
+        while tile > 1 and tile > pw.k // GROUP:
+            tile //= 2
+        cfg = replace(cfg, tile_groups=tile)
+    _GLU_CONFIGS[key] = cfg
+    return cfg
+
+
+def glu_entry(table: dict, n: int, k: int, qtype: GGMLQuantizationType) -> GemvConfig | None:
+    """The ``GLU:TYPE:n,k`` entry of one GPU model's tiling table, parsed, or None."""
+    text = table.get(f"GLU:{T(qtype).name}:{n},{k}")
+    return parse_gemv_config(text) if text else None
 
 
 def glu_epilogue_ok(pw: PackedWeight, rows: int, ffn: int, config: GemvConfig | None = None) -> bool:
     """Whether ``quant_glu`` runs ``rows`` rows over ``pw`` as a gate|up weight of 2 * ``ffn``
-    rows (gate rows, then up rows): a word-tile type, a tiling without K splits whose
-    programs hold whole 32-unit groups of both halves, at most ``SMALL_M_MAX`` rows."""
+    rows (gate rows, then up rows): a word-tile type with a tiling (``config``, else
+    ``glu_gemv_config``) without K splits whose programs hold whole 32-unit groups of both
+    halves, at most ``SMALL_M_MAX`` rows."""
     if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.n != 2 * ffn:
         return False
     cfg = config or glu_gemv_config(pw)
+    if cfg is None:
+        return False
     half = cfg.block_n // 2
     return cfg.words and cfg.split_k == 1 and half % GROUP == 0 and ffn % half == 0
 

@@ -219,14 +219,33 @@ def test_glu_epilogue_ok_refuses_what_the_kernel_cannot_run():
         tq.quant_glu(torch.zeros(1, 512, dtype=torch.bfloat16), odd, 80, 0, config=words)
 
 
-def test_glu_gemv_config_reads_its_env_and_fits_the_row(monkeypatch):
+def test_glu_gemv_config_reads_its_env_and_tables_and_fits_the_row(monkeypatch, tmp_path):
+    """The gate|up tiling of ``glu_quant``: LODESTAR_GLU_GEMV for every weight (``off``: none),
+    else a ``GLU:TYPE:n,k`` table entry (LODESTAR_GEMV_TABLE's file; ``off``: none), else the
+    shipped table's for a CUDA device; none on the CPU. Its tile never exceeds the row."""
+    import json
     pw = _weight(tq.T.Q4_0, 256, 256, "cpu", seed=5)                     # 8 groups a row
-    monkeypatch.delenv("LODESTAR_GLU_GEMV", raising=False)
+    for var in ("LODESTAR_GLU_GEMV", "LODESTAR_GEMV_TABLE"):
+        monkeypatch.delenv(var, raising=False)
+    assert tq.glu_gemv_config(pw) is None
+    assert not tq.glu_epilogue_ok(pw, 1, 128)                           # no tiling: the activation kernel runs
+    monkeypatch.setenv("LODESTAR_GLU_GEMV", "128,16,1,8,0,0,0,1")
     cfg = tq.glu_gemv_config(pw)
-    assert (cfg.block_n, cfg.tile_groups, cfg.split_k, cfg.num_warps, cfg.words) == (64, 8, 1, 4, True)
-    monkeypatch.setenv("LODESTAR_GLU_GEMV", "128,4,1,8,0,0,0,1")
-    cfg = tq.glu_gemv_config(pw)
-    assert (cfg.block_n, cfg.tile_groups, cfg.num_warps) == (128, 4, 8)
+    assert (cfg.block_n, cfg.tile_groups, cfg.split_k, cfg.num_warps, cfg.words) == (128, 8, 1, 8, True)
+    assert tq.glu_epilogue_ok(pw, 1, 128)
+    monkeypatch.setenv("LODESTAR_GLU_GEMV", "off")
+    assert tq.glu_gemv_config(pw) is None
+    monkeypatch.delenv("LODESTAR_GLU_GEMV")
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"table": {"GLU:Q4_0:256,256": "64,4,1,4,0,0,0,1", "Q4_0:256,256": "8,8,1,1"}}))
+    monkeypatch.setenv("LODESTAR_GEMV_TABLE", str(table))
+    assert tq.glu_gemv_config(pw).block_n == 64 and tq.glu_gemv_config(pw).tile_groups == 4
+    monkeypatch.setenv("LODESTAR_GEMV_TABLE", "off")
+    assert tq.glu_gemv_config(pw) is None
+    shipped = json.loads(tq.TUNED_TABLE.read_text())["NVIDIA H200"]
+    cfg = tq.glu_entry(shipped, 28672, 4096, tq.T.Q4_0)
+    assert tq.glu_epilogue_ok(tq.PackedWeight(tq.T.Q4_0, 28672, 4096, pw.codes, pw.d), 1, 14336, cfg)
+    assert tq.glu_entry(shipped, 28672, 4096, tq.T.Q4_K) is None          # slower there (H200 run 82)
 
 
 @pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_0, id="Q4_0"), pytest.param(tq.T.Q6_K, id="Q6_K")])

@@ -153,7 +153,8 @@ def test_gemv_config_takes_a_variant_a_full_override_or_a_table(monkeypatch, tmp
 def test_shipped_tuned_table_is_well_formed():
     """Every entry of gemv_tuned.json names a GPU type and an [n, k] shape, and parses to a
     tiling the kernel accepts (power-of-two tiles, a loop form at most); ``BF16`` entries
-    are the dense kernel's (``triton_dense.parse_config``)."""
+    are the dense kernel's (``triton_dense.parse_config``); ``GLU:`` entries are gate|up
+    tilings ``quant_glu`` can run."""
     import json
 
     from lodestar.kernels import triton_dense as td
@@ -163,7 +164,8 @@ def test_shipped_tuned_table_is_well_formed():
     names = {t.name for t in tq.GPU_QUANT_TYPES}
     for entries in devices.values():
         for key, text in entries.items():
-            qtype, shape = key.split(":")
+            glu = key.startswith("GLU:")
+            qtype, shape = key.removeprefix("GLU:").split(":")
             n, k = (int(v) for v in shape.split(","))
             if qtype == "BF16":
                 dcfg = td.parse_config(text)
@@ -173,6 +175,8 @@ def test_shipped_tuned_table_is_well_formed():
             cfg = tq.parse_gemv_config(text)
             assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.tile_groups & (cfg.tile_groups - 1) == 0
             assert int(cfg.prefetch) + int(cfg.stages > 0) + int(cfg.unroll) <= 1
+            if glu:     # a gate|up tiling for glu_quant: whole 32-unit groups of both halves, no K split
+                assert n % 2 == 0 and tq.glu_epilogue_ok(tq.PackedWeight(tq.T[qtype], n, k, None, None), 1, n // 2, cfg)
 
 
 @pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE])
