@@ -251,6 +251,45 @@ def test_mlp_decode_output_does_not_depend_on_the_glu_epilogue(kind, monkeypatch
             assert _same_bits(h_on, h_off), form
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_quantized_mlp_output_does_not_depend_on_the_glu_quant_fusion(rows, monkeypatch):
+    """Decode rows through one MLP of a tiny Q4_0 Llama geometry (``CudaQuantLinear`` gate|up
+    of 2 x 128 rows and down), x quantized by the norm before it: with ``glu_quant`` the
+    gate|up kernel applies SiLU·mul and quantizes for down (no activation kernel), the same
+    bits as the product in the same tiling, then the activation kernel."""
+    from lodestar.formats.synthetic import Geometry, SyntheticCheckpoint
+    from lodestar.kernels import triton_quant as tq
+    from lodestar.layers.cuda_linear import CudaQuantLinear
+    from lodestar.models import llama
+    from lodestar.models.weights import WeightLoader
+    dev = kernel_device()
+    ck = SyntheticCheckpoint(Geometry("llama", 256, 1, 4, 2, 64, 128, 10000.0, tied=True, vocab=64, context=64),
+                             "Q4_0", device=dev)
+    w = WeightLoader(ck, "packed", device=dev)
+    w.cuda = True
+    mlp = llama.LlamaMLP(llama.LlamaArgs.from_config(ck.config), w, 0)
+    assert isinstance(mlp.gate_up, CudaQuantLinear) and isinstance(mlp.down, CudaQuantLinear)
+    tiling = "64,8,1,4,0,0,0,1"         # the plain gate|up product in glu_quant's tiling: same sums
+    monkeypatch.setenv("LODESTAR_GEMV", tiling)
+    monkeypatch.setenv("LODESTAR_GLU_GEMV", tiling)
+    launches = []
+    glu = tf._glu
+    monkeypatch.setattr(tf, "_glu", lambda *a, **k: launches.append(a) or glu(*a, **k))
+    x = _x(rows, 256, seed=rows).to(dev)
+    xq = tq.QuantizedRows(x, *tq.quantize_x(x))
+
+    def run(fuse: str):
+        monkeypatch.setenv("LODESTAR_FUSE", fuse)
+        launches.clear()
+        return mlp(xq, quantize=True), len(launches)
+
+    on, n_on = run("quant,glu_quant")
+    off, n_off = run("quant")
+    assert (n_on, n_off) == (0, 1)
+    assert on.shape == (rows, 256) and torch.isfinite(on.float()).all()
+    assert _same_bits(on, off)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("qtype,tiling,glu", [("F16", None, False), ("Q4_0", "16,8,2,4,0,0,0,1", False),
