@@ -121,16 +121,7 @@ def test_weight_prefetch_plan_takes_the_largest_arrays_whole_when_they_fit():
 
 def test_weight_prefetch_limit_and_where_it_applies(monkeypatch):
     from lodestar.kernels import triton_quant as tq
-    monkeypatch.delenv("LODESTAR_WEIGHT_PREFETCH", raising=False)
-    assert tq.weight_prefetch_limit() == 4 << 20
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "1.5")
-    assert tq.weight_prefetch_limit() == 3 << 19
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "0")
-    assert tq.weight_prefetch_limit() == 0
-    for bad in ("-1", "lots"):
-        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", bad)
-        with pytest.raises(ValueError, match="LODESTAR_WEIGHT_PREFETCH"):
-            tq.weight_prefetch_limit()
+    # its MiB setting: test_triton_quant.py::test_prefetch_limits_read_mib_settings
     monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "16")
     cpu = [torch.zeros(1 << 16, dtype=torch.uint8)]
     assert tq.prefetch_launch(cpu, 1, 4, 256) == (0, (0,) * (3 * tq.PREFETCH_RANGES), 0)    # CPU: never

@@ -312,19 +312,27 @@ def test_first_tile_early_by_default_for_models_up_to_2048_wide(monkeypatch):
             tq.gemv_early(4096, 4096)
 
 
-def test_side_prefetch_ranges(monkeypatch):
+@pytest.mark.parametrize("limit,var,default_mib", [("side_prefetch_limit", "LODESTAR_SIDE_PREFETCH", 16),
+                                                   ("weight_prefetch_limit", "LODESTAR_WEIGHT_PREFETCH", 4)])
+def test_prefetch_limits_read_mib_settings(limit, var, default_mib, monkeypatch):
+    """Both weight prefetches read their size in MiB (fractions allowed, 0 off); a negative or
+    non-numeric value is an error naming the setting."""
+    fn = getattr(tq, limit)
+    monkeypatch.delenv(var, raising=False)
+    assert fn() == default_mib << 20
+    monkeypatch.setenv(var, "1.5")
+    assert fn() == 3 << 19
+    monkeypatch.setenv(var, "0")
+    assert fn() == 0
+    for bad in ("-1", "x", "lots"):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            fn()
+
+
+def test_side_prefetch_ranges():
     """The side prefetch asks for the same leading fraction of each array (16-byte multiples),
-    at most LODESTAR_SIDE_PREFETCH MiB in all (default 16); a bad value is an error."""
-    monkeypatch.delenv("LODESTAR_SIDE_PREFETCH", raising=False)
-    assert tq.side_prefetch_limit() == 16 << 20
-    monkeypatch.setenv("LODESTAR_SIDE_PREFETCH", "1.5")
-    assert tq.side_prefetch_limit() == 3 << 19
-    monkeypatch.setenv("LODESTAR_SIDE_PREFETCH", "0")
-    assert tq.side_prefetch_limit() == 0
-    for bad in ("-1", "x"):
-        monkeypatch.setenv("LODESTAR_SIDE_PREFETCH", bad)
-        with pytest.raises(ValueError, match="LODESTAR_SIDE_PREFETCH"):
-            tq.side_prefetch_limit()
+    at most its limit in all."""
     codes = torch.zeros(3 << 20, dtype=torch.uint8)
     scales = torch.zeros(1 << 19, dtype=torch.float16)      # 1 MiB
     got = tq.head_ranges([scales, codes], 2 << 20)            # half of 4 MiB
