@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -649,26 +650,33 @@ def gemv_early(n: int, k: int, whole_rows: bool = False) -> bool:
 WEIGHT_EVICT_DEFAULT = "none"
 
 
-def weight_evict(qtype: GGMLQuantizationType) -> str:
+def weight_evict(qtype: GGMLQuantizationType, n: int = 0, k: int = 0) -> str:
     """The eviction policy (``tl.load``'s: L1 and an L2 cache hint) of the word-tile kernel's
-    code-word loads for weights of ``qtype``: ``evict_first`` for the types named in env
-    ``LODESTAR_WEIGHT_EVICT`` (a comma list of type names, ``all`` or ``none``; default
-    none; read at each call), else normal. Evict-first, the weight stream would leave what
-    else L2 holds (the side prefetch's rows, activations, keys and values) in place. Same
-    bits either way.
+    code-word loads for an ``n`` x ``k`` weight of ``qtype``: ``evict_first`` where env
+    ``LODESTAR_WEIGHT_EVICT`` names it (a comma list of type names, ``TYPE:NxK`` for one
+    shape of a type, ``all`` or ``none``; default none; read at each call), else normal.
+    Evict-first, the weight stream would leave what else L2 holds (the side prefetch's rows,
+    activations, keys and values) in place. Same bits either way.
 
     H200, one-stream decode, same tokens on every side, with the side prefetch and q|k|v
     launched early. 8B Q4_0 gains: run 70, 575.8 -> 584.0 tok/s; run 71, 582.5 (Q4_0
     weights only) and 583.2 (its Q8_0 head too). 8B Q4_K weights evict-first decode at
     381.4-386.2 against 551.0 (runs 70-71; its Q6_K head alone: 552.0), and Llama-3.2-1B
-    Q4_0 loses too (run 76: 1,832.4 -> 1,706.4). Hence off by default."""
+    Q4_0 loses too (run 76: 1,832.4 -> 1,706.4). Hence off by default. Per shape, with the
+    fusion ``glu_quant`` (run 87, 8B Q4_0 579.8 shipped): gate|up 520.8, down 579.7, all
+    525.7; all Q4_0 with the plain gate|up tiling 581.7 against 575.7 without (run 89:
+    578.9 against 577.1 shipped). Q4_K gate|up 429.0, down 506.8 (557.7); Llama-3.2-1B Q4_0
+    down 1,726.6, gate|up 1,846.3 (1,846.7)."""
     env = os.environ.get("LODESTAR_WEIGHT_EVICT", WEIGHT_EVICT_DEFAULT).strip()
-    names = {n.strip() for n in env.split(",") if n.strip()}
+    names = {e.strip() for e in env.split(",") if e.strip()}
     known = {t.name for t in WORDS_CAPABLE}
-    if not names <= known | {"all", "none"}:
-        raise ValueError(f"LODESTAR_WEIGHT_EVICT={env!r}; use all, none or a comma list of "
-                         f"{', '.join(sorted(known))}")
-    return "evict_first" if "all" in names or qtype.name in names else ""
+    bad = [e for e in names - {"all", "none"}
+           if e.split(":")[0] not in known or (":" in e and not re.fullmatch(r"\d+x\d+", e.split(":", 1)[1]))]
+    if bad:
+        raise ValueError(f"LODESTAR_WEIGHT_EVICT={env!r}; use all, none or a comma list of types "
+                         f"({', '.join(sorted(known))}) or TYPE:NxK shapes")
+    name = T(qtype).name
+    return "evict_first" if names & {"all", name, f"{name}:{n}x{k}"} else ""
 
 
 def _early_shapes(text: str) -> frozenset[tuple[int, int]]:
@@ -1085,7 +1093,7 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                                  LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
                                  EVEN=even,
                                  EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
-                                 **norm_c, EVICT=weight_evict(pw.qtype), num_warps=cfg.num_warps,
+                                 **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), num_warps=cfg.num_warps,
                                  **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
@@ -1191,7 +1199,7 @@ def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None
         *(d1,) * 6, *(0,) * 5, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
         GROUPS_PER_SPLIT=groups, SPLIT=1, LAST_SUMS=False, ASM=not interpreted(), STAGES=cfg.stages,
         UNROLL=cfg.unroll, EVEN=even, EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), ROPE=False, NQ=0,
-        NK=0, HD=0, EVICT=weight_evict(pw.qtype), qw_ptr=qw, qd_ptr=qd, qs_ptr=qs, F=ffn, GLU=act,
+        NK=0, HD=0, EVICT=weight_evict(pw.qtype, pw.n, pw.k), qw_ptr=qw, qd_ptr=qd, qs_ptr=qs, F=ffn, GLU=act,
         num_warps=cfg.num_warps, **pdl())
     return QuantizedRows(out, qw, qd, qs)
 

@@ -343,8 +343,8 @@ def test_side_prefetch_ranges():
 
 
 def test_weight_evict_names_types(monkeypatch):
-    """LODESTAR_WEIGHT_EVICT: the quant types whose code words load evict-first (all, none;
-    default none)."""
+    """LODESTAR_WEIGHT_EVICT: the quant types (or TYPE:NxK shapes) whose code words load
+    evict-first (all, none; default none)."""
     monkeypatch.delenv("LODESTAR_WEIGHT_EVICT", raising=False)
     assert tq.weight_evict(tq.T.Q4_0) == ""
     monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "Q4_0")
@@ -355,6 +355,10 @@ def test_weight_evict_names_types(monkeypatch):
     assert (tq.weight_evict(tq.T.Q4_0), tq.weight_evict(tq.T.Q8_0)) == ("", "evict_first")
     monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "all")
     assert tq.weight_evict(tq.T.Q6_K) == "evict_first"
-    monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "first")
-    with pytest.raises(ValueError, match="LODESTAR_WEIGHT_EVICT"):
-        tq.weight_evict(tq.T.Q4_0)
+    monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", "Q4_0:28672x4096,Q4_K")
+    assert [tq.weight_evict(tq.T.Q4_0, 28672, 4096), tq.weight_evict(tq.T.Q4_0, 4096, 14336),
+            tq.weight_evict(tq.T.Q4_0), tq.weight_evict(tq.T.Q4_K, 4096, 14336)] == ["evict_first", "", "", "evict_first"]
+    for bad in ("first", "Q4_0:28672", "Q4_0:28672x", "Q9_0:8x8"):
+        monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", bad)
+        with pytest.raises(ValueError, match="LODESTAR_WEIGHT_EVICT"):
+            tq.weight_evict(tq.T.Q4_0)
