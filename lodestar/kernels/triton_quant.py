@@ -459,6 +459,9 @@ class GemvConfig:
     unroll: bool = False    # unroll the whole tile loop, so loads of later tiles can be hoisted
     # the tile as code words (``_gemv_words_kernel``; ``WORDS_TYPES`` only, no ``prefetch``)
     words: bool = False
+    # registers a thread at most (ptxas ``.maxnreg``; 0: the compiler's choice). Same bits;
+    # it sets how many programs an SM holds at once (``lodestar.bench.kernel_regs``)
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         if self.prefetch + (self.stages > 0) + self.unroll > 1:
@@ -466,6 +469,8 @@ class GemvConfig:
                              f"loop; set one of them")
         if self.words and self.prefetch:
             raise ValueError(f"{self}: the word-tile kernel has no prefetch form")
+        if self.maxnreg and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"{self}: maxnreg is 0 (the compiler's choice) or 24..255 registers")
 
 
 # Named loop variants applied over the tiling rule's result (``LODESTAR_GEMV_VARIANT``).
@@ -505,20 +510,23 @@ _GEMV_ENV = ("LODESTAR_GEMV", "LODESTAR_GEMV_VARIANT", "LODESTAR_GEMV_TABLE")
 
 
 def parse_gemv_config(text: str) -> GemvConfig:
-    """``block_n,tile_groups,split_k,num_warps[,prefetch,stages,unroll,words]`` -> GemvConfig."""
+    """``block_n,tile_groups,split_k,num_warps[,prefetch,stages,unroll,words,maxnreg]`` -> GemvConfig."""
     values = [int(v) for v in text.split(",")]
-    if not 4 <= len(values) <= 8:
+    if not 4 <= len(values) <= 9:
         raise ValueError(f"GEMV config {text!r}: give block_n,tile_groups,split_k,num_warps"
-                         f"[,prefetch,stages,unroll,words] as integers")
-    fields = ("prefetch", "stages", "unroll", "words")
-    extra = {f: (bool(v) if f != "stages" else v) for f, v in zip(fields, values[4:])}
+                         f"[,prefetch,stages,unroll,words,maxnreg] as integers")
+    fields = ("prefetch", "stages", "unroll", "words", "maxnreg")
+    extra = {f: (v if f in ("stages", "maxnreg") else bool(v)) for f, v in zip(fields, values[4:])}
     return GemvConfig(*values[:4], **extra)
 
 
 def config_text(cfg: GemvConfig) -> str:
     """The ``parse_gemv_config`` form of ``cfg`` (what ``LODESTAR_GEMV`` and the table hold)."""
-    return f"{cfg.block_n},{cfg.tile_groups},{cfg.split_k},{cfg.num_warps}," \
-           f"{int(cfg.prefetch)},{cfg.stages},{int(cfg.unroll)}" + (",1" if cfg.words else "")
+    text = f"{cfg.block_n},{cfg.tile_groups},{cfg.split_k},{cfg.num_warps}," \
+           f"{int(cfg.prefetch)},{cfg.stages},{int(cfg.unroll)}"
+    if cfg.maxnreg:
+        return text + f",{int(cfg.words)},{cfg.maxnreg}"
+    return text + (",1" if cfg.words else "")
 
 
 def with_variant(cfg: GemvConfig, name: str) -> GemvConfig:
@@ -1094,13 +1102,13 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                                  EVEN=even,
                                  EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
                                  **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), num_warps=cfg.num_warps,
-                                 **launch)
+                                 maxnreg=cfg.maxnreg or None, **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
                            GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
                            ASM=not interpreted(), PREFETCH=cfg.prefetch, STAGES=cfg.stages, UNROLL=cfg.unroll,
-                           num_warps=cfg.num_warps, **pdl())
+                           num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
     if defer_sum:
         return SplitPartials(part, out_dtype)
     if cfg.split_k > 1 and not fused_sum:
@@ -1200,7 +1208,7 @@ def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None
         GROUPS_PER_SPLIT=groups, SPLIT=1, LAST_SUMS=False, ASM=not interpreted(), STAGES=cfg.stages,
         UNROLL=cfg.unroll, EVEN=even, EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), ROPE=False, NQ=0,
         NK=0, HD=0, EVICT=weight_evict(pw.qtype, pw.n, pw.k), qw_ptr=qw, qd_ptr=qd, qs_ptr=qs, F=ffn, GLU=act,
-        num_warps=cfg.num_warps, **pdl())
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
     return QuantizedRows(out, qw, qd, qs)
 
 

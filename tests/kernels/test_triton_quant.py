@@ -5,6 +5,8 @@ The repacked layout itself is checked on every machine.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,10 +146,16 @@ def test_gemv_config_takes_a_variant_a_full_override_or_a_table(monkeypatch, tmp
     monkeypatch.setenv("LODESTAR_GEMV", "16,16,1,4")
     assert tq.gemv_config(4096, 4096, dev) == tq.GemvConfig(16, 16, 1, 4)
     for cfg in (tq.GemvConfig(32, 8, 4, 8, stages=2), tq.GemvConfig(8, 16, 1, 2, prefetch=True),
-                tq.GemvConfig(16, 16, 2, 4, unroll=True)):
+                tq.GemvConfig(16, 16, 2, 4, unroll=True), tq.GemvConfig(64, 16, 1, 4, words=True, maxnreg=128),
+                tq.GemvConfig(16, 16, 1, 4, maxnreg=96)):
         assert tq.parse_gemv_config(tq.config_text(cfg)) == cfg
+    assert tq.parse_gemv_config("64,16,1,4,0,0,0,1,128") == tq.GemvConfig(64, 16, 1, 4, words=True, maxnreg=128)
     with pytest.raises(ValueError, match="set one of them"):
         tq.GemvConfig(16, 16, 1, 4, prefetch=True, unroll=True)
+    with pytest.raises(ValueError, match="maxnreg"):
+        tq.parse_gemv_config("64,16,1,4,0,0,0,1,300")
+    with pytest.raises(ValueError, match="as integers"):
+        tq.parse_gemv_config("64,16,1,4,0,0,0,1,128,1")
 
 
 def test_shipped_tuned_table_is_well_formed():
@@ -194,6 +202,9 @@ def test_word_tile_kernel_without_masks(qtype):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     alone = tq.quant_matmul(x[2:3].to(dev), pw, torch.float32, config=cfg).cpu()
     assert torch.equal(got[2:3].view(torch.int32), alone.view(torch.int32))
+    # a cap on registers (ptxas .maxnreg; spills at 64) changes no bit
+    capped = tq.quant_matmul(x.to(dev), pw, torch.float32, config=replace(cfg, maxnreg=64)).cpu()
+    assert torch.equal(got.view(torch.int32), capped.view(torch.int32))
 
 
 def test_rule_picks_the_word_tile_kernel_for_its_types():

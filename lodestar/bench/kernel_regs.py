@@ -1,0 +1,154 @@
+"""Registers of the quantized matrix-vector kernels, compiled offline for a GPU architecture.
+
+Needs no GPU: Triton compiles the word-tile kernel (``triton_quant._gemv_words_kernel``) for
+the target with the ptxas it ships, exactly as a launch of ``quant_matmul`` / ``quant_glu``
+with the given tiling would on that device (same arguments, specialization and options),
+and ``cuobjdump -res-usage`` reads the registers, stack and local memory (spills) of the
+cubin. From the registers follows how many programs an SM holds at once, and so in how
+many waves a projection's programs run.
+
+    python -m lodestar.bench.kernel_regs                      # the 8B cases below
+    python -m lodestar.bench.kernel_regs glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1,128 \\
+        gemv-sum:Q4_0:4096,14336:32,32,7,4,0,0,0,1
+
+A case is ``KIND:TYPE:N,K:CONFIG`` (``CONFIG`` as ``LODESTAR_GEMV``): ``gemv`` the plain
+product, ``gemv-sum`` with its K splits left to the next RMSNorm (fusion ``norm_sum``),
+``glu`` the gate|up product of ``glu_quant`` (N = 2 x the FFN width). Prints one JSON line a
+case. Runs in a process of its own: the kernels are defined when ``triton_quant`` is first
+imported, and only if a GPU seems present, which this tool pretends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+# The 8B (Llama-3.1-8B geometry) word-tile products in their shipped H200 tilings, and the
+# forms tried around them (docs/benchmarks.md, stop 21).
+CASES = (
+    "glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1",
+    "glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1,128",
+    "gemv:Q4_0:28672,4096:8,32,1,1,0,0,0,1",
+    "gemv-sum:Q4_0:4096,14336:32,32,7,4,0,0,0,1",
+    "gemv-sum:Q4_0:4096,14336:32,32,7,4,0,0,0,1,128",
+    "gemv:Q4_0:6144,4096:8,128,1,1,0,0,0,1",
+    "gemv:Q4_0:4096,4096:32,128,1,8,0,0,0,1",
+    "gemv:Q4_K:28672,4096:8,32,1,1,0,0,0,1",
+    "gemv-sum:Q4_K:4096,14336:16,32,2,4,0,0,0,1",
+)
+KINDS = ("gemv", "gemv-sum", "glu")
+
+
+def programs_per_sm(registers: int, num_warps: int, regs_per_sm: int = 65536, max_warps: int = 64) -> int:
+    """Programs of ``num_warps`` warps an SM holds at once when a thread takes ``registers``:
+    registers are given out per warp in units of 256 (8 a thread)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(regs_per_sm // (per_warp * num_warps), max_warps // num_warps)
+
+
+def parse_case(text: str) -> tuple[str, str, int, int, str]:
+    """``KIND:TYPE:N,K:CONFIG`` -> (kind, type name, n, k, config text)."""
+    parts = text.split(":")
+    if len(parts) != 4 or parts[0] not in KINDS:
+        raise ValueError(f"case {text!r}: give KIND:TYPE:N,K:CONFIG with KIND one of {', '.join(KINDS)}")
+    kind, qtype, shape, config = parts
+    try:
+        n, k = (int(v) for v in shape.split(","))
+    except ValueError:
+        raise ValueError(f"case {text!r}: the shape is N,K (integers)") from None
+    return kind, qtype, n, k, config
+
+
+def _cuobjdump() -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _usage(cubin: bytes) -> dict:
+    """REG / STACK / SHARED / LOCAL of the one kernel in ``cubin``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in out.splitlines() if "REG:" in ln)
+    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
+    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "shared": int(fields["SHARED"]),
+            "local": int(fields["LOCAL"])}
+
+
+def measure(cases: list[str], arch: int, sms: int) -> list[dict]:
+    """Compile each case for ``sm_<arch>``; its resource use, programs per SM and waves."""
+    if "lodestar.kernels.triton_quant" in sys.modules:
+        raise RuntimeError("kernel_regs must run in a process of its own (python -m lodestar.bench.kernel_regs)")
+    import torch
+    torch.cuda.is_available = lambda: True          # the kernels are defined for a GPU target
+    import triton
+    from gguf import GGMLQuantizationType as T
+    from gguf.constants import GGML_QUANT_SIZES
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from lodestar.kernels import triton_quant as tq
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    kernel = tq._gemv_words_kernel
+    calls: list[tuple] = []
+
+    class Capture:          # stands in for the kernel: keeps the launch's arguments
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    tq._gemv_words_kernel = Capture()
+    tq.pdl = lambda launch_next=False: dict(tq._PDL_ON)     # as on a Hopper GPU
+    cpu = torch.device("cpu")
+    out = []
+    for text in cases:
+        kind, qname, n, k, config = parse_case(text)
+        cfg = tq.parse_gemv_config(config)
+        qtype = T[qname]
+        rows = min(n, 2 * cfg.block_n)              # the kernel does not depend on N; a small weight will do
+        blocks, size = GGML_QUANT_SIZES[qtype]
+        pw = tq.pack(qtype, torch.zeros(rows, k // blocks * size, dtype=torch.uint8), rows, k)
+        words, d1, sums = tq.QuantizedRows.empty(1, k, cpu)
+        x = tq.QuantizedRows(torch.zeros(1, k, dtype=torch.bfloat16), words, d1, sums)
+        calls.clear()
+        if kind == "glu":
+            tq.quant_glu(x, pw, rows // 2, 0, config=cfg)
+        else:
+            tq.quant_matmul(x, pw, torch.bfloat16, config=cfg, defer_sum=kind == "gemv-sum")
+        _, args, kwargs = calls[0]
+        bound, spec, options = create_function_from_signature(kernel.signature, kernel.params, backend)(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+        use = _usage(compiled.asm["cubin"])
+        per_sm = programs_per_sm(use["registers"], cfg.num_warps)
+        programs = n // cfg.block_n * (1 if kind == "glu" else cfg.split_k)
+        out.append({"case": text, **use, "programs_per_sm": per_sm, "programs": programs,
+                    "waves": round(programs / (per_sm * sms), 2) if per_sm else None})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cases", nargs="*", help="KIND:TYPE:N,K:CONFIG (default: the 8B cases)")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90 (H100/H200)")
+    ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU, for the waves (H200: 132)")
+    a = ap.parse_args()
+    try:
+        for c in a.cases:
+            parse_case(c)
+    except ValueError as e:
+        ap.error(str(e))
+    cases = a.cases or list(CASES)
+    for row in measure(cases, a.arch, a.sms):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The offline register count of the word-tile kernel (no GPU needed; skips without Triton)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lodestar.bench import kernel_regs as kr
+
+
+def test_programs_per_sm_follows_the_register_file():
+    assert kr.programs_per_sm(130, 4) == 3           # 136 a thread, 4,352 a warp: 3 x 4 warps in 65,536
+    assert kr.programs_per_sm(128, 4) == 4
+    assert kr.programs_per_sm(96, 1) == 21
+    assert kr.programs_per_sm(32, 1) == 64           # then the 64 warps an SM runs are the limit
+    assert kr.programs_per_sm(255, 8) == 1
+
+
+def test_cases_are_checked():
+    assert kr.parse_case("glu:Q4_0:28672,4096:64,16,1,4") == ("glu", "Q4_0", 28672, 4096, "64,16,1,4")
+    for bad in ("glu:Q4_0:28672:64,16,1,4", "mm:Q4_0:8,8:8,8,1,1", "glu:Q4_0:a,b:64,16,1,4", "glu:Q4_0"):
+        with pytest.raises(ValueError, match="case"):
+            kr.parse_case(bad)
+    for case in kr.CASES:
+        kr.parse_case(case)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its ptxas and cuobjdump)")
+def test_a_cap_on_registers_reaches_the_compiled_kernel():
+    """Compiled offline for sm_90: the 8B Q4_0 gate|up of glu_quant, as shipped and capped at
+    96 registers; the cap holds and raises the programs an SM holds."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cases = ["glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1", "glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1,96"]
+    out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", *cases], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    free, capped = (json.loads(line) for line in out.stdout.splitlines())
+    assert capped["registers"] <= 96 < free["registers"]
+    assert capped["programs_per_sm"] > free["programs_per_sm"] and free["programs"] == capped["programs"] == 448
+    assert free["waves"] == round(448 / (free["programs_per_sm"] * 132), 2)
