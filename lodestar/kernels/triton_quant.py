@@ -676,15 +676,20 @@ def weight_evict(qtype: GGMLQuantizationType, n: int = 0, k: int = 0) -> str:
     578.9 against 577.1 shipped). Q4_K gate|up 429.0, down 506.8 (557.7); Llama-3.2-1B Q4_0
     down 1,726.6, gate|up 1,846.3 (1,846.7)."""
     env = os.environ.get("LODESTAR_WEIGHT_EVICT", WEIGHT_EVICT_DEFAULT).strip()
-    names = {e.strip() for e in env.split(",") if e.strip()}
-    known = {t.name for t in WORDS_CAPABLE}
-    bad = [e for e in names - {"all", "none"}
-           if e.split(":")[0] not in known or (":" in e and not re.fullmatch(r"\d+x\d+", e.split(":", 1)[1]))]
-    if bad:
-        raise ValueError(f"LODESTAR_WEIGHT_EVICT={env!r}; use all, none or a comma list of types "
-                         f"({', '.join(sorted(known))}) or TYPE:NxK shapes")
+    names = _EVICT_NAMES.get(env)
+    if names is None:       # parsed once per setting: this runs at every launch
+        names = frozenset(e.strip() for e in env.split(",") if e.strip())
+        known = {t.name for t in WORDS_CAPABLE}
+        if any(e.split(":")[0] not in known or (":" in e and not re.fullmatch(r"\d+x\d+", e.split(":", 1)[1]))
+               for e in names - {"all", "none"}):
+            raise ValueError(f"LODESTAR_WEIGHT_EVICT={env!r}; use all, none or a comma list of types "
+                             f"({', '.join(sorted(known))}) or TYPE:NxK shapes")
+        _EVICT_NAMES[env] = names
     name = T(qtype).name
     return "evict_first" if names & {"all", name, f"{name}:{n}x{k}"} else ""
+
+
+_EVICT_NAMES: dict[str, frozenset[str]] = {}
 
 
 def _early_shapes(text: str) -> frozenset[tuple[int, int]]:
