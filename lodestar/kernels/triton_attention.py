@@ -192,6 +192,19 @@ def attention_pdl() -> dict:
     return launch if env == "1" else {"PDL": 2, "launch_pdl": True}
 
 
+def reduce_early() -> bool:
+    """Whether the decode-attention reduce kernel lets the next kernel (the output projection)
+    launch before its own wait (``triton_quant.pdl(launch_next=True)``), so that projection's
+    programs become resident, and read the weights they read before their wait, while the
+    partial kernel still runs. Env ``LODESTAR_REDUCE_EARLY``, unset or 0 off, 1 on; read at
+    each call. Same bits either way: the projection still waits for the reduce kernel, which
+    ends only after its own wait."""
+    env = os.environ.get("LODESTAR_REDUCE_EARLY", "0").strip() or "0"
+    if env not in ("0", "1"):
+        raise ValueError(f"LODESTAR_REDUCE_EARLY={env!r}; use 0 or 1")
+    return env == "1"
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
                      window: int | None = None, max_partitions: int | None = None,
@@ -265,7 +278,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _decode_reduce_kernel[(B, Hq)](
             part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), words, d1, sums, win,
             max_partitions, Hq, D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT,
-            CHUNK=REDUCE_CHUNK, QUANT=quantize, INTERP=_INTERP, num_warps=4, **pdl())
+            CHUNK=REDUCE_CHUNK, QUANT=quantize, INTERP=_INTERP, num_warps=4, **pdl(launch_next=reduce_early()))
     if quantize:
         return QuantizedRows(out.view(B, Hq * D), words, d1, sums)
     return out

@@ -1136,7 +1136,10 @@ def glu_gemv_config(pw: PackedWeight) -> GemvConfig | None:
     16 groups x 4 warps (the table's entry), 544.8 in 64 x 32 groups, 577.2 in 128 x 16 x 8
     warps, 510.9 in 64 x 16 x 2 warps; Q4_K 551.3 -> 484.7 in 64 x 16 x 4 (64-row Q4_K tiles
     stream slowly: 497-511 tok/s for the plain product in such tiles, run 81); SmolLM2-135M
-    Q4_0 1,873.9 -> 1,840.8. So only the 8B Q4_0 gate|up has an entry."""
+    Q4_0 1,873.9 -> 1,840.8. So only the 8B Q4_0 gate|up has an entry. Runs 93-94: that
+    tiling capped at 128 registers a thread (4 programs an SM: the 448 programs in one wave)
+    578.7 -> 585.7 tok/s, at 120 575.6; with down in one wave too, 599.8 (now the table's
+    entry, with that cap)."""
     env = os.environ.get("LODESTAR_GLU_GEMV", "").strip()
     table = os.environ.get("LODESTAR_GEMV_TABLE", "").strip()
     key = (pw.n, pw.k, int(pw.qtype), pw.device.type, env, table)

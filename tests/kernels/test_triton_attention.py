@@ -385,6 +385,29 @@ def test_kv_prefetch_keeps_the_bits(window, monkeypatch):
         assert _same_bits(runs[0], runs[1]), fuse_reduce
 
 
+def test_reduce_early_switch_keeps_the_bits(monkeypatch):
+    """LODESTAR_REDUCE_EARLY: 0 or 1 (unset: 0); the reduce kernel letting the next kernel
+    launch before its wait changes no bit of the output or its quantized form."""
+    monkeypatch.setenv("LODESTAR_REDUCE_EARLY", "yes")
+    with pytest.raises(ValueError, match="LODESTAR_REDUCE_EARLY"):
+        ta.reduce_early()
+    monkeypatch.delenv("LODESTAR_REDUCE_EARLY")
+    assert not ta.reduce_early()
+    dev = kernel_device()
+    hq, hk, d, lens = 8, 2, 64, [1, 77, 300]
+    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, torch.bfloat16, dev, seed=9)
+    parts = ta.num_partitions(tables.shape[1] * BS)
+    runs = []
+    for env in ("0", "1"):
+        monkeypatch.setenv("LODESTAR_REDUCE_EARLY", env)
+        assert ta.reduce_early() == (env == "1")
+        r = ta.decode_attention(q, kc, vc, tables, sl, BS, d ** -0.5, None, parts, 4, fuse_reduce=False,
+                                quantize=True)
+        runs.append((r.x, r.words, r.d1, r.sums))
+    for a, b in zip(*runs):
+        assert a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def test_grid_splits_follow_the_programs_per_sm_setting(monkeypatch):
     """``LODESTAR_ATTN_PROGRAMS_PER_SM`` (default 4) sets how many decode-attention programs
     a step asks for; at most 64 per (sequence, kv head), at least 1."""
