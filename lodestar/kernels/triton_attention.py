@@ -176,19 +176,30 @@ def kv_prefetch() -> bool:
     return env == "1"
 
 
+# LODESTAR_ATTN_PDL=short: a program whose sequence has at most this many keys lets the next
+# kernel launch as soon as it has waited (the form ``1``); one of a longer sequence does not
+# (the form ``wait``: the next kernel launches when this one ends).
+ATTN_PDL_SHORT_KEYS = 512
+
+
 def attention_pdl() -> dict:
     """``pdl()`` for the decode-attention kernel, ``LODESTAR_ATTN_PDL``: unset or ``wait``:
     launched early (it waits for the previous kernel) but the next kernel only launches
     when it ends; 1: as ``pdl()`` (the next kernel launches as soon as every program of
-    this one has started); 0: off. H200 run 29, 8B Q4_K decode against context:
+    this one has started); ``short``: as 1 for the programs of sequences of at most
+    ``ATTN_PDL_SHORT_KEYS`` keys, as ``wait`` for the others (the next kernel launches once
+    every program has either let it or ended); 0: off. Read at each call; same bits in
+    every form. H200 run 29, 8B Q4_K decode against context:
     ``wait`` 473.7 / 416.0 / 288.0 tok/s at 1k / 8k / 32k, 1: 470.5 / 392.4 / 238.7, 0:
-    462.7 / 417.1 / 296.8."""
+    462.7 / 417.1 / 296.8. Run 97, 8B Q4_0 at 128-384 keys: ``wait`` 601.2, 1 605.7."""
     env = os.environ.get("LODESTAR_ATTN_PDL", "wait").strip()
-    if env not in ("", "0", "1", "wait"):
-        raise ValueError(f"LODESTAR_ATTN_PDL={env!r}; use 0, 1 or wait")
+    if env not in ("", "0", "1", "wait", "short"):
+        raise ValueError(f"LODESTAR_ATTN_PDL={env!r}; use 0, 1, wait or short")
     launch = pdl()
     if env == "0" or not launch["PDL"]:
         return {"PDL": False}
+    if env == "short":
+        return {"PDL": 4, "launch_pdl": True}
     return launch if env == "1" else {"PDL": 2, "launch_pdl": True}
 
 
@@ -273,7 +284,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=SHORT_PARTITION,
         SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
         CHUNK=REDUCE_CHUNK, ROPE=new is not None, QUANT=quantize, INTERP=_INTERP,
-        PREFETCH=launch["PDL"] != 0 and kv_prefetch(), num_warps=4, **launch)
+        PREFETCH=launch["PDL"] != 0 and kv_prefetch(), PDL_SHORT_KEYS=ATTN_PDL_SHORT_KEYS, num_warps=4, **launch)
     if not fuse_reduce:
         _decode_reduce_kernel[(B, Hq)](
             part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), words, d1, sums, win,
@@ -458,6 +469,8 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     from lodestar.kernels.triton_dense import _pdl_enter
     from lodestar.kernels.triton_fused import _quant_store
     from lodestar.kernels.triton_quant import _prefetch_l2
@@ -620,7 +633,7 @@ if triton_enabled():
                                SHORT: tl.constexpr, SPLITS: tl.constexpr,
                                IS_F32: tl.constexpr, DOT_F32: tl.constexpr, REDUCE: tl.constexpr,
                                CHUNK: tl.constexpr, ROPE: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr,
-                               PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                               PREFETCH: tl.constexpr, PDL: tl.constexpr, PDL_SHORT_KEYS: tl.constexpr):
         """Program (sequence b, kv head, split): the partials of partitions split, split +
         SPLITS, ... for the G query heads of the kv head (see the module docstring).
 
@@ -641,8 +654,14 @@ if triton_enabled():
         if PREFETCH:
             _prefetch_partition(k_ptr, v_ptr, tables_ptr, lens_ptr, b, kvh, split, stride_ks, stride_kh, stride_vs,
                                 stride_vh, stride_tb, window, D, BS, BLOCK_N, PART, PART_SHORT, SHORT)
-        _pdl_enter(PDL)
-        L = tl.load(lens_ptr + b)
+        if PDL == 4:    # form ``short``: the next kernel may launch now if this sequence is short
+            gdc_wait()
+            L = tl.load(lens_ptr + b)
+            if L <= PDL_SHORT_KEYS:
+                gdc_launch_dependents()
+        else:
+            _pdl_enter(PDL)
+            L = tl.load(lens_ptr + b)
         start = tl.maximum(L - window, 0)
         part = _partition(L - start, PART, PART_SHORT, SHORT)
         n_parts = tl.cdiv(L - start, part)

@@ -346,7 +346,8 @@ def test_attention_launch_switch(monkeypatch):
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
     monkeypatch.delenv("LODESTAR_PDL", raising=False)
     for env, want in (("", {"PDL": 2, "launch_pdl": True}), ("wait", {"PDL": 2, "launch_pdl": True}),
-                      ("1", {"PDL": True, "launch_pdl": True}), ("0", {"PDL": False})):
+                      ("1", {"PDL": True, "launch_pdl": True}), ("short", {"PDL": 4, "launch_pdl": True}),
+                      ("0", {"PDL": False})):
         monkeypatch.setenv("LODESTAR_ATTN_PDL", env)
         assert ta.attention_pdl() == (want if hopper else {"PDL": False}), env
     monkeypatch.setenv("LODESTAR_PDL", "0")
@@ -383,6 +384,25 @@ def test_kv_prefetch_keeps_the_bits(window, monkeypatch):
             runs.append(ta.decode_attention(q, kc, vc, tables, sl, BS, d ** -0.5, window, parts, 4,
                                             fuse_reduce=fuse_reduce))
         assert _same_bits(runs[0], runs[1]), fuse_reduce
+
+
+def test_attention_launch_forms_keep_the_bits(monkeypatch):
+    """Every LODESTAR_ATTN_PDL form gives the bits of ``wait``, with sequences on both sides
+    of ``ATTN_PDL_SHORT_KEYS`` in one batch (form ``short``), with and without the fused
+    combine. GPU only (off a Hopper-class GPU every form is no dependent launch)."""
+    if not torch.cuda.is_available():
+        pytest.skip("dependent launch runs on a CUDA device only")
+    hq, hk, d = 32, 8, 128
+    lens = [1, 77, ta.ATTN_PDL_SHORT_KEYS, ta.ATTN_PDL_SHORT_KEYS + 1, 1500]
+    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, torch.bfloat16, "cuda", seed=6)
+    parts = ta.num_partitions(tables.shape[1] * BS)
+    for fuse_reduce in (False, True):
+        runs = []
+        for env in ("wait", "1", "short", "0"):
+            monkeypatch.setenv("LODESTAR_ATTN_PDL", env)
+            runs.append(ta.decode_attention(q, kc, vc, tables, sl, BS, d ** -0.5, None, parts, 4,
+                                            fuse_reduce=fuse_reduce))
+        assert all(_same_bits(runs[0], r) for r in runs[1:]), fuse_reduce
 
 
 def test_reduce_early_switch_keeps_the_bits(monkeypatch):
