@@ -183,16 +183,19 @@ ATTN_PDL_SHORT_KEYS = 512
 
 
 def attention_pdl() -> dict:
-    """``pdl()`` for the decode-attention kernel, ``LODESTAR_ATTN_PDL``: unset or ``wait``:
-    launched early (it waits for the previous kernel) but the next kernel only launches
-    when it ends; 1: as ``pdl()`` (the next kernel launches as soon as every program of
-    this one has started); ``short``: as 1 for the programs of sequences of at most
+    """``pdl()`` for the decode-attention kernel, ``LODESTAR_ATTN_PDL``: ``wait``: launched
+    early (it waits for the previous kernel) but the next kernel only launches when it
+    ends; 1: as ``pdl()`` (the next kernel launches as soon as every program of this one
+    has started); unset or ``short``: as 1 for the programs of sequences of at most
     ``ATTN_PDL_SHORT_KEYS`` keys, as ``wait`` for the others (the next kernel launches once
     every program has either let it or ended); 0: off. Read at each call; same bits in
     every form. H200 run 29, 8B Q4_K decode against context:
     ``wait`` 473.7 / 416.0 / 288.0 tok/s at 1k / 8k / 32k, 1: 470.5 / 392.4 / 238.7, 0:
-    462.7 / 417.1 / 296.8. Run 97, 8B Q4_0 at 128-384 keys: ``wait`` 601.2, 1 605.7."""
-    env = os.environ.get("LODESTAR_ATTN_PDL", "wait").strip()
+    462.7 / 417.1 / 296.8. One stream at 128-384 keys, same tokens: run 97, 8B Q4_0
+    ``wait`` 601.2, 1 605.7; run 98, ``wait`` against ``short``: 8B Q4_0 596.9 -> 604.3,
+    Q4_K 555.1 -> 558.0, Llama-3.2-1B Q4_0 1,853.1 -> 1,877.8, SmolLM2-135M Q4_0 1,878.2
+    -> 1,923.0. The bound of 512 keys is not tuned (1 lost at 1k keys in run 29)."""
+    env = os.environ.get("LODESTAR_ATTN_PDL", "short").strip() or "short"
     if env not in ("", "0", "1", "wait", "short"):
         raise ValueError(f"LODESTAR_ATTN_PDL={env!r}; use 0, 1, wait or short")
     launch = pdl()

@@ -342,10 +342,11 @@ def test_quantized_output_needs_bf16_and_whole_groups():
 
 
 def test_attention_launch_switch(monkeypatch):
-    """LODESTAR_ATTN_PDL: the decode kernel's own launch form, never on without pdl()."""
+    """LODESTAR_ATTN_PDL: the decode kernel's own launch form (default ``short``), never on
+    without pdl()."""
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
     monkeypatch.delenv("LODESTAR_PDL", raising=False)
-    for env, want in (("", {"PDL": 2, "launch_pdl": True}), ("wait", {"PDL": 2, "launch_pdl": True}),
+    for env, want in (("", {"PDL": 4, "launch_pdl": True}), ("wait", {"PDL": 2, "launch_pdl": True}),
                       ("1", {"PDL": True, "launch_pdl": True}), ("short", {"PDL": 4, "launch_pdl": True}),
                       ("0", {"PDL": False})):
         monkeypatch.setenv("LODESTAR_ATTN_PDL", env)
