@@ -14,7 +14,8 @@ def test_programs_per_sm_follows_the_register_file():
     assert kr.programs_per_sm(130, 4) == 3           # 136 a thread, 4,352 a warp: 3 x 4 warps in 65,536
     assert kr.programs_per_sm(128, 4) == 4
     assert kr.programs_per_sm(96, 1) == 21
-    assert kr.programs_per_sm(32, 1) == 64           # then the 64 warps an SM runs are the limit
+    assert kr.programs_per_sm(32, 2) == 32           # then the 64 warps an SM runs are the limit
+    assert kr.programs_per_sm(32, 1) == 32           # and the 32 programs it runs
     assert kr.programs_per_sm(255, 8) == 1
 
 
@@ -40,3 +41,17 @@ def test_a_cap_on_registers_reaches_the_compiled_kernel():
     assert capped["registers"] <= 96 < free["registers"]
     assert capped["programs_per_sm"] > free["programs_per_sm"] and free["programs"] == capped["programs"] == 448
     assert free["waves"] == round(448 / (free["programs_per_sm"] * 132), 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its ptxas and cuobjdump)")
+def test_a_refused_tiling_is_reported_and_the_others_still_run():
+    """A gate|up tiling of 32 rows cannot hold whole 32-unit groups of both halves: its line
+    names the error, the next case is still compiled, and the exit status says one failed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cases = ["glu:Q4_0:28672,4096:32,16,1,2,0,0,0,1", "gemv:Q4_0:4096,14336:16,16,7,1,0,0,0,1"]
+    out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", *cases], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 1, out.stderr[-2000:]
+    bad, good = (json.loads(line) for line in out.stdout.splitlines())
+    assert "glu_epilogue_ok" in bad["error"] and "registers" not in bad
+    assert good["registers"] > 0 and good["programs"] == 4096 // 16 * 7
