@@ -20,9 +20,11 @@ Decode (one new token per sequence), ``decode_attention`` [``decode_attention_re
 
     Launch (``attention_pdl``, ``kv_prefetch``): under programmatic dependent launch the
     first kernel is launched early and, before its wait, asks L2 for the keys and values
-    of each program's first partition (lengths and block tables are step inputs); it lets
-    the next kernel launch only when it ends (early, the next kernel's waiting blocks made
-    long contexts slower: 8B Q4_K at 32k 238.7 against 288.0 tok/s).
+    of each program's first partition (lengths and block tables are step inputs). A program
+    whose sequence has at most ``ATTN_PDL_SHORT_KEYS`` keys lets the next kernel launch as
+    soon as it has waited; one of a longer sequence only when it ends (early, the next
+    kernel's waiting blocks made long contexts slower: 8B Q4_K at 32k 238.7 against 288.0
+    tok/s; at 128-384 keys it is faster).
 
     Fused forms (decode fusions of ``triton_quant.fusions()``, read at each call; each one
     removes a launch per layer and gives the same bits):
@@ -471,7 +473,6 @@ def _device_plan(batch, device: torch.device, window: int | None) -> dict:
 if triton_enabled():
     import triton
     import triton.language as tl
-
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     from lodestar.kernels.triton_dense import _pdl_enter

@@ -28,16 +28,23 @@ def test_cases_are_checked():
         kr.parse_case(case)
 
 
+def _run_tool(*cases: str) -> tuple[int, list[dict]]:
+    """``python -m lodestar.bench.kernel_regs CASES`` in a process of its own (compiled for the
+    GPU target even where the tests run the interpreter): exit status and one row a case."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", *cases], capture_output=True,
+                         text=True, env=env, timeout=600)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == len(cases), out.stderr[-2000:]
+    return out.returncode, rows
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its ptxas and cuobjdump)")
 def test_a_cap_on_registers_reaches_the_compiled_kernel():
     """Compiled offline for sm_90: the 8B Q4_0 gate|up of glu_quant, as shipped and capped at
     96 registers; the cap holds and raises the programs an SM holds."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cases = ["glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1", "glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1,96"]
-    out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", *cases], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    free, capped = (json.loads(line) for line in out.stdout.splitlines())
+    code, (free, capped) = _run_tool("glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1", "glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1,96")
+    assert code == 0
     assert capped["registers"] <= 96 < free["registers"]
     assert capped["programs_per_sm"] > free["programs_per_sm"] and free["programs"] == capped["programs"] == 448
     assert free["waves"] == round(448 / (free["programs_per_sm"] * 132), 2)
@@ -47,11 +54,7 @@ def test_a_cap_on_registers_reaches_the_compiled_kernel():
 def test_a_refused_tiling_is_reported_and_the_others_still_run():
     """A gate|up tiling of 32 rows cannot hold whole 32-unit groups of both halves: its line
     names the error, the next case is still compiled, and the exit status says one failed."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cases = ["glu:Q4_0:28672,4096:32,16,1,2,0,0,0,1", "gemv:Q4_0:4096,14336:16,16,7,1,0,0,0,1"]
-    out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", *cases], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert out.returncode == 1, out.stderr[-2000:]
-    bad, good = (json.loads(line) for line in out.stdout.splitlines())
+    code, (bad, good) = _run_tool("glu:Q4_0:28672,4096:32,16,1,2,0,0,0,1", "gemv:Q4_0:4096,14336:16,16,7,1,0,0,0,1")
+    assert code == 1
     assert "glu_epilogue_ok" in bad["error"] and "registers" not in bad
     assert good["registers"] > 0 and good["programs"] == 4096 // 16 * 7
