@@ -11,6 +11,7 @@
 # carried along; the package itself runs from the source tree (PYTHONPATH).
 # Every stage is time-boxed; a stage that fails or times out is recorded in bench.json
 # and the next one runs. The whole run stays under BUDGET_S seconds (default 530).
+# TEST_WORKERS=N runs the GPU tests in N processes (pytest-xdist wheels in .whl/).
 # Writes under $OUT: pytest.xml (GPU tests), pytest-tp.xml (two-GPU tests), bench.json (all measurements, errors and
 # stage exit codes), sweep.csv + sweep.svg (decode speed against context), gemv-variants.json
 # (matrix-vector tilings and loop forms per 8B shape), dense-variants.json (the same for the dense
@@ -66,7 +67,8 @@ missing=$($PY - <<'EOF'
 import importlib.util
 wheels = {"gguf": ["gguf", "pyyaml"], "yaml": ["pyyaml"], "tqdm": ["tqdm"], "jinja2": ["jinja2", "markupsafe"],
           "markupsafe": ["markupsafe"], "pytest": ["pytest", "pluggy", "iniconfig", "packaging"],
-          "numpy": ["numpy"], "tokenizers": ["tokenizers"], "safetensors": ["safetensors"]}
+          "numpy": ["numpy"], "tokenizers": ["tokenizers"], "safetensors": ["safetensors"],
+          "xdist": ["pytest-xdist", "execnet"]}
 need = []
 for module, names in wheels.items():
     if importlib.util.find_spec(module) is None:
@@ -94,8 +96,14 @@ stage() {
   want "$1" || return 0
   _stage "$@"
 }
-# ~390 tests: 143 s with a warm Triton cache, over 300 s on a fresh machine (runs 79-80)
-stage tests 480 $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$OUT/pytest.xml" \
+# ~390 tests: 143 s with a warm Triton cache, over 300 s on a fresh machine (runs 79-80), mostly
+# Triton compiling; TEST_WORKERS=N spreads them over N processes (pytest-xdist, carried in .whl/)
+# sharing the GPU and the Triton cache.
+workers=()
+if [ -n "${TEST_WORKERS:-}" ]; then
+  if $PY -c "import xdist" 2>/dev/null; then workers=(-n "$TEST_WORKERS"); else say "TEST_WORKERS: no pytest-xdist, one process"; fi
+fi
+stage tests 480 $PY -m pytest -q -p no:cacheprovider -o addopts="" ${workers[@]+"${workers[@]}"} --junitxml="$OUT/pytest.xml" \
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
   tests/kernels/test_triton_decode_fusion.py tests/kernels/test_triton_dense.py \
   tests/kernels/test_triton_dense_fusion.py tests/kernels/test_triton_sampling.py \
