@@ -13,7 +13,10 @@ Q4_0   uint8 [N, K/2]             d fp16 [N, K/32];  w = d * (q - 8)          0.
 Q4_1   uint8 [N, K/2]             d, m fp16 [N, K/32];  w = d * q + m         0.625
 Q8_0   int8 [N, K]                d fp16 [N, K/32];  w = d * q                1.0625
 Q4_K   uint8 [N, K/2]             d, dmin fp16 [N, K/256]; sc, m uint8        0.578
-                                  [N, K/32];  w = (d*sc) * q - dmin*m
+                                  [N, K/32];  w = (d*sc) * q - dmin*m; or
+                                  in pairs (``kquant_pairs``): d fp16
+                                  [N, K/128] = (d, dmin) a block, sc uint8
+                                  [N, K/16] = (sc, m) a group
 Q5_K   as Q4_K + high: int32      as Q4_K;  q = low | bit << 4                0.703
        [N, K/32], bit e = 5th
        bit of weight e
@@ -316,6 +319,12 @@ class PackedWeight:
     tile_counters: torch.Tensor | None = None
 
     @property
+    def paired(self) -> bool:
+        """Q4_K / Q5_K scales in pairs (``kquant_pairs``): ``d`` holds (d, dmin) and ``sc``
+        (sc, m) side by side, ``dmin`` and ``m`` are None."""
+        return self.qtype in (T.Q4_K, T.Q5_K) and self.dmin is None
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
                    (self.codes, self.d, self.high, self.dmin, self.sc, self.m) if t is not None)
@@ -351,6 +360,52 @@ def _shift(x: torch.Tensor, *values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.uint8, device=x.device)
 
 
+def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.device) -> bool:
+    """Whether ``pack`` lays out an [n, k] Q4_K / Q5_K weight's scales in pairs: a block's
+    (d, dmin) side by side in ``d`` (fp16 [N, K/128]) and each group's (sc, m) in ``sc``
+    (uint8 [N, K/16]), so that a kernel reads each pair in one load from one address, or
+    split in four arrays (``d``, ``dmin`` [N, K/256], ``sc``, ``m`` [N, K/32]). Same bytes,
+    same bits (``PackedWeight.paired``). Env ``LODESTAR_KQUANT_SCALES``: ``pair`` (every
+    weight), ``split`` (none), or a comma list of shapes ``NxK`` to pair; unset: the
+    ``SCALES:TYPE:n,k`` entry (``pair`` or ``split``) of the table ``LODESTAR_GEMV_TABLE``
+    names, else of the shipped table for this GPU model (``gemv_tuned.json``); else split.
+    Read at each ``pack``.
+
+    Pairs take fewer instructions (the word-tile loop of the 8B gate|up, 8 rows x 32 groups
+    x 1 warp, compiled for sm_90: 439 a tile against 506, 31 loads against 47) but not less
+    time everywhere. H200, 8B Q4_K one-stream decode, same tokens: every weight paired
+    539.7-541.2 tok/s against 560.3-561.1 split (runs 102-104); per kernel (run 103, chain)
+    o 116.9 us a step against 127.2 and gate|up 581.9 against 587.0, but q|k|v 228.8 against
+    200.1 and down 408.3 against 350.1. Run 105: o and gate|up paired 561.2 -> 566.3, with
+    o in 16 rows x 128 groups x 8 warps too 567.6 (that tiling split 564.4): the H200
+    table's entries."""
+    if qtype not in (T.Q4_K, T.Q5_K):
+        return False
+    value = os.environ.get("LODESTAR_KQUANT_SCALES", "").strip()
+    if value in ("pair", "split"):
+        return value == "pair"
+    if value:
+        try:
+            shapes = {tuple(int(v) for v in part.strip().split("x")) for part in value.split(",") if part.strip()}
+        except ValueError:
+            shapes = set()
+        if not shapes or any(len(sh) != 2 for sh in shapes):
+            raise ValueError(f"LODESTAR_KQUANT_SCALES={value!r}: give pair, split or shapes NxK[,NxK...]")
+        return (n, k) in shapes
+    key = f"SCALES:{T(qtype).name}:{n},{k}"
+    table = os.environ.get("LODESTAR_GEMV_TABLE", "").strip()
+    if table == "off":
+        return False
+    if table:
+        with open(table) as f:
+            doc = json.load(f)
+        return doc.get("table", doc).get(key) == "pair"
+    if device.type == "cuda":
+        tables = json.loads(TUNED_TABLE.read_text())
+        return tables.get(torch.cuda.get_device_name(device), {}).get(key) == "pair"
+    return False
+
+
 def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int) -> PackedWeight:
     """GGUF bytes ``[n, bytes_per_row]`` (any device) -> ``PackedWeight`` on the same device."""
     qtype = T(int(qtype))
@@ -378,6 +433,9 @@ def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int) 
             qh = b[:, 16:48]
             bits = ((qh.reshape(nb, 1, 32) >> _shift(b, *range(8)).reshape(1, 8, 1)) & 1)   # [nb, 8, 32]
             high = rows(_bits_to_words(bits, 1))
+        if kquant_pairs(qtype, n, k, data.device):
+            return PackedWeight(qtype, n, k, rows(_pack_nibbles(low)), rows(b[:, 0:4].contiguous().view(torch.float16)),
+                                high=high, sc=rows(torch.stack((sc, mn), dim=-1)))
         return PackedWeight(qtype, n, k, rows(_pack_nibbles(low)), rows(_f16(b, 0)), high=high,
                             dmin=rows(_f16(b, 2)), sc=rows(sc), m=rows(mn))
     # Q6_K
@@ -416,9 +474,14 @@ def _scales_ref(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None, in
     if pw.qtype == T.Q4_1:
         return pw.d.float(), pw.m.float(), 32
     if pw.qtype in (T.Q4_K, T.Q5_K):
-        d = pw.d.float().repeat_interleave(8, dim=1)
-        dmin = pw.dmin.float().repeat_interleave(8, dim=1)
-        return d * pw.sc.float(), -(dmin * pw.m.float()), 32
+        if pw.paired:
+            d, dmin = pw.d.float()[:, 0::2], pw.d.float()[:, 1::2]
+            sc, m = pw.sc.float()[:, 0::2], pw.sc.float()[:, 1::2]
+        else:
+            d, dmin, sc, m = pw.d.float(), pw.dmin.float(), pw.sc.float(), pw.m.float()
+        d = d.repeat_interleave(8, dim=1)
+        dmin = dmin.repeat_interleave(8, dim=1)
+        return d * sc, -(dmin * m), 32
     d = pw.d.float().repeat_interleave(16, dim=1)
     return d * pw.sc.float(), None, 16
 
@@ -1106,14 +1169,14 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                                  LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
                                  EVEN=even,
                                  EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
-                                 **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), num_warps=cfg.num_warps,
-                                 maxnreg=cfg.maxnreg or None, **launch)
+                                 **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), KPAIR=pw.paired,
+                                 num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
                            GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
                            ASM=not interpreted(), PREFETCH=cfg.prefetch, STAGES=cfg.stages, UNROLL=cfg.unroll,
-                           num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
+                           KPAIR=pw.paired, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
     if defer_sum:
         return SplitPartials(part, out_dtype)
     if cfg.split_k > 1 and not fused_sum:
@@ -1217,7 +1280,7 @@ def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None
         GROUPS_PER_SPLIT=groups, SPLIT=1, LAST_SUMS=False, ASM=not interpreted(), STAGES=cfg.stages,
         UNROLL=cfg.unroll, EVEN=even, EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), ROPE=False, NQ=0,
         NK=0, HD=0, EVICT=weight_evict(pw.qtype, pw.n, pw.k), qw_ptr=qw, qd_ptr=qd, qs_ptr=qs, F=ffn, GLU=act,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
+        KPAIR=pw.paired, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
     return QuantizedRows(out, qw, qd, qs)
 
 
@@ -1229,7 +1292,7 @@ def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> 
     block_n = 32
     grid = (-(-pw.n // block_n), groups // per)
     _dequant_kernel[grid](out, *_ptr_args(pw), pw.n, K=pw.k, QTYPE=int(pw.qtype),
-                          BLOCK_N=block_n, GROUPS=per, num_warps=4)
+                          BLOCK_N=block_n, GROUPS=per, KPAIR=pw.paired, num_warps=4)
     return out
 
 
@@ -1277,10 +1340,12 @@ if triton_enabled():
         return qa, qb
 
     @triton.jit
-    def _group_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr):
+    def _group_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, rows, mask_n, g, K: tl.constexpr, QTYPE: tl.constexpr,
+                      KPAIR: tl.constexpr = False):
         """(scale of weights 0..15, scale of 16..31, offset) fp32 [BN] of group ``g``.
 
         w = scale * q + offset for Q4_1, scale * q - offset for Q4_K/Q5_K, scale * q otherwise.
+        KPAIR: Q4_K/Q5_K scales in pairs (``PackedWeight.paired``).
         """
         if QTYPE == 14:  # Q6_K: one scale per 16 weights
             d = tl.load(d_ptr + rows * (K // 256) + g // 8, mask=mask_n, other=0).to(tl.float32)
@@ -1289,6 +1354,14 @@ if triton_enabled():
             scale_a = d * sa
             scale_b = d * sb
             offset = d * 0.0
+        elif (QTYPE == 12 or QTYPE == 13) and KPAIR:
+            d = tl.load(d_ptr + 2 * (rows * (K // 256) + g // 8), mask=mask_n, other=0).to(tl.float32)
+            dmin = tl.load(d_ptr + 2 * (rows * (K // 256) + g // 8) + 1, mask=mask_n, other=0).to(tl.float32)
+            sc = tl.load(sc_ptr + 2 * (rows * (K // 32) + g), mask=mask_n, other=0).to(tl.float32)
+            mn = tl.load(sc_ptr + 2 * (rows * (K // 32) + g) + 1, mask=mask_n, other=0).to(tl.float32)
+            scale_a = d * sc
+            scale_b = scale_a
+            offset = dmin * mn              # subtracted (as the reference does)
         elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K
             d = tl.load(d_ptr + rows * (K // 256) + g // 8, mask=mask_n, other=0).to(tl.float32)
             dmin = tl.load(dmin_ptr + rows * (K // 256) + g // 8, mask=mask_n, other=0).to(tl.float32)
@@ -1393,14 +1466,15 @@ if triton_enabled():
 
     @triton.jit
     def _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                    pid_m, rows, mask_n, g, mask_g, K: tl.constexpr, QTYPE: tl.constexpr):
+                    pid_m, rows, mask_n, g, mask_g, K: tl.constexpr, QTYPE: tl.constexpr, KPAIR: tl.constexpr = False):
         """Everything one tile of groups ``g`` reads, as loaded (no arithmetic), so that a
         caller can issue it ahead of the math: (code words lo, hi [BN, TG, 4], high bits h0,
         h1 [BN, TG], scales s0..s3 [BN, TG], x words x1a, x1b, x2a, x2b [TG, 4], d1, half sums
         xsa, xsb [TG]). Places a type has no use for repeat a loaded value (never read).
 
-        Scales: Q4_0/Q8_0 (d, -, -, -), Q4_1 (d, m, -, -), Q4_K/Q5_K (d, dmin, sc, m),
-        Q6_K (d, sc of weights 0..15, sc of 16..31, -)."""
+        Scales: Q4_0/Q8_0 (d, -, -, -), Q4_1 (d, m, -, -), Q4_K/Q5_K (d, dmin, sc, m; KPAIR:
+        read from the paired arrays, ``PackedWeight.paired``), Q6_K (d, sc of weights 0..15,
+        sc of 16..31, -)."""
         G: tl.constexpr = K // 32
         i4 = tl.arange(0, 4)
         mask2 = mask_n[:, None] & mask_g[None, :]                  # [BN, TG]
@@ -1415,10 +1489,16 @@ if triton_enabled():
             s2 = tl.load(sc_ptr + r2 * (K // 16) + 2 * g2 + 1, mask=mask2, other=0)
             s3 = s0
         elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K
-            s0 = tl.load(d_ptr + r2 * (K // 256) + g2 // 8, mask=mask2, other=0)
-            s1 = tl.load(dmin_ptr + r2 * (K // 256) + g2 // 8, mask=mask2, other=0)
-            s2 = tl.load(sc_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
-            s3 = tl.load(m_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
+            if KPAIR:
+                s0 = tl.load(d_ptr + 2 * (r2 * (K // 256) + g2 // 8), mask=mask2, other=0)
+                s1 = tl.load(d_ptr + 2 * (r2 * (K // 256) + g2 // 8) + 1, mask=mask2, other=0)
+                s2 = tl.load(sc_ptr + 2 * (r2 * (K // 32) + g2), mask=mask2, other=0)
+                s3 = tl.load(sc_ptr + 2 * (r2 * (K // 32) + g2) + 1, mask=mask2, other=0)
+            else:
+                s0 = tl.load(d_ptr + r2 * (K // 256) + g2 // 8, mask=mask2, other=0)
+                s1 = tl.load(dmin_ptr + r2 * (K // 256) + g2 // 8, mask=mask2, other=0)
+                s2 = tl.load(sc_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
+                s3 = tl.load(m_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
             if QTYPE == 13:  # bit e of the group's word is the 5th bit of weight e
                 h0 = tl.load(high_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
             else:
@@ -1606,7 +1686,7 @@ if triton_enabled():
                      K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
                      GROUPS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr,
                      ASM: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, KPAIR: tl.constexpr = False):
         """One row of x (quantized by ``_quant_groups``) against BLOCK_N weight rows over one
         K split, tile by tile (``_tile_loads`` then ``_tile_acc``); the loop is plain, or with
         PREFETCH holds the next tile's loads in registers while this tile's math runs, or is
@@ -1633,31 +1713,32 @@ if triton_enabled():
             # tile t+1's loads go out before tile t's math; past the last tile they are all masked
             nxt = _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                               pid_m, rows, mask_n, g_start + tg, (g_start + tg < G) & (tg < GROUPS_PER_SPLIT),
-                              K, QTYPE)
+                              K, QTYPE, KPAIR)
             for t in range(0, GROUPS_PER_SPLIT, TG):
                 cur = nxt
                 g = g_start + t + TG + tg
                 nxt = _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                                  pid_m, rows, mask_n, g, (g < G) & (t + TG + tg < GROUPS_PER_SPLIT), K, QTYPE)
+                                  pid_m, rows, mask_n, g, (g < G) & (t + TG + tg < GROUPS_PER_SPLIT), K, QTYPE,
+                                  KPAIR)
                 acc = _tile_acc(acc, cur, QTYPE, ASM)
         elif UNROLL:
             for t in tl.static_range(0, GROUPS_PER_SPLIT, TG):
                 g = g_start + t + tg
                 acc = _tile_acc(acc, _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr,
                                                  sc_ptr, m_ptr, pid_m, rows, mask_n, g,
-                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
+                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE, KPAIR), QTYPE, ASM)
         elif STAGES > 0:
             for t in tl.range(0, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
                 g = g_start + t + tg
                 acc = _tile_acc(acc, _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr,
                                                  sc_ptr, m_ptr, pid_m, rows, mask_n, g,
-                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
+                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE, KPAIR), QTYPE, ASM)
         else:
             for t in range(0, GROUPS_PER_SPLIT, TG):
                 g = g_start + t + tg
                 acc = _tile_acc(acc, _tile_loads(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr,
                                                  sc_ptr, m_ptr, pid_m, rows, mask_n, g,
-                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE), QTYPE, ASM)
+                                                 (g < G) & (t + tg < GROUPS_PER_SPLIT), K, QTYPE, KPAIR), QTYPE, ASM)
         _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
                     stride_om, stride_split, SPLIT, LAST_SUMS)
 
@@ -1684,7 +1765,7 @@ if triton_enabled():
                     pid_m, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
                     QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                     GIVEN: tl.constexpr = False, w_given=0, XGIVEN: tl.constexpr = False, xw1=0, xw2=0,
-                    xd1=0, xsa_given=0, xsb_given=0, EVICT: tl.constexpr = ""):
+                    xd1=0, xsa_given=0, xsb_given=0, EVICT: tl.constexpr = "", KPAIR: tl.constexpr = False):
         """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, HG] fp32 array of
         products (HG = TG, or 2*TG half groups of 16 weights for Q8_0, whose groups span 8
         words). The tile is held as [BN, TG*WPG] code words (WPG words a group, each thread
@@ -1696,7 +1777,8 @@ if triton_enabled():
         GIVEN: the code words are ``w_given`` (``_words_codes``, loaded earlier). XGIVEN (EVEN,
         one tile of the row's every group, not Q8_0): x is ``_quant_groups``' output for the
         row, computed by the caller (``xw1``, ``xw2`` [TG, 8] words, ``xd1``, ``xsa_given``,
-        ``xsb_given`` [TG]), not loaded."""
+        ``xsb_given`` [TG]), not loaded. KPAIR (Q4_K, Q5_K): the scales in pairs
+        (``PackedWeight.paired``), each pair one load (``_ld_f16x2``, ``_ld_u8x2``)."""
         G: tl.constexpr = K // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
@@ -1785,10 +1867,14 @@ if triton_enabled():
         f = v.to(tl.float32) * d2
         xs = (xsa + xsb)[None, :]
         if QTYPE == 12 or QTYPE == 13:   # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
-            sd = _ld_f16(d_ptr + gidx // 8, ASM)
-            sdm = _ld_f16(dmin_ptr + gidx // 8, ASM)
-            sc = _ld_u8(sc_ptr + gidx, ASM)
-            mm = _ld_u8(m_ptr + gidx, ASM)
+            if KPAIR:
+                sd, sdm = _ld_f16x2(d_ptr + 2 * (gidx // 8), ASM)
+                sc, mm = _ld_u8x2(sc_ptr + 2 * gidx, ASM)
+            else:
+                sd = _ld_f16(d_ptr + gidx // 8, ASM)
+                sdm = _ld_f16(dmin_ptr + gidx // 8, ASM)
+                sc = _ld_u8(sc_ptr + gidx, ASM)
+                mm = _ld_u8(m_ptr + gidx, ASM)
             r = (sd * sc) * f - (sdm * mm) * xs
         elif QTYPE == 14:                # Q6_K: w = (d*sc) * (q - 32) per 16 weights
             sd = _ld_f16(d_ptr + gidx // 8, ASM)
@@ -1831,6 +1917,27 @@ if triton_enabled():
         return tl.load(ptr).to(tl.float32)
 
     @triton.jit
+    def _ld_f16x2(ptr, ASM: tl.constexpr):
+        """fp32 values of the fp16 pair at each of ``ptr`` (4-byte aligned), one load (as
+        ``_ld_f16``)."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 a, b; ld.global.nc.v2.b16 {a, b}, [$2]; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; }",
+                "=r,=r,l", [ptr], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        return tl.load(ptr).to(tl.float32), tl.load(ptr + 1).to(tl.float32)
+
+    @triton.jit
+    def _ld_u8x2(ptr, ASM: tl.constexpr):
+        """fp32 values of the uint8 pair at each of ``ptr`` (2-byte aligned), one load (as
+        ``_ld_f16``)."""
+        if ASM:     # int32 out, converted as signed (I2FP; cvt.rn.f32.u32 is the slower I2F.U32)
+            a, b = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; ld.global.nc.u16 t, [$2]; and.b32 $0, t, 255; shr.u32 $1, t, 8; }",
+                "=r,=r,l", [ptr], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            return a.to(tl.float32), b.to(tl.float32)
+        return tl.load(ptr).to(tl.float32), tl.load(ptr + 1).to(tl.float32)
+
+    @triton.jit
     def _ld_i32(ptr, ASM: tl.constexpr):
         """The int32 at each of ``ptr`` (as ``_ld_f16``)."""
         if ASM:
@@ -1865,7 +1972,7 @@ if triton_enabled():
                            HD: tl.constexpr, PDL: tl.constexpr, nx_ptr=None, nr_ptr=None, nw_ptr=None,
                            h_ptr=None, eps=0.0, NORM: tl.constexpr = False, NORM_RES: tl.constexpr = False,
                            EVICT: tl.constexpr = "", qw_ptr=None, qd_ptr=None, qs_ptr=None, F=0,
-                           GLU: tl.constexpr = -1):
+                           GLU: tl.constexpr = -1, KPAIR: tl.constexpr = False):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied). EARLY: the first
         tile's code words are loaded before the wait for the previous kernel (weights only).
@@ -1878,7 +1985,8 @@ if triton_enabled():
         activation, ``triton_dense.SILU`` / ``GELU_TANH``; -1: off): a gate|up weight of
         2 * F rows, program rows in ``_glu_rows`` order, final sums through
         ``_glu_quant_store`` (the gated activation [M, F] into ``out`` and its quantized
-        form into ``qw``, ``qd``, ``qs``)."""
+        form into ``qw``, ``qd``, ``qs``). KPAIR: Q4_K / Q5_K scales in pairs
+        (``PackedWeight.paired``)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -1914,13 +2022,13 @@ if triton_enabled():
             xw1, xw2, xd1, xsa, xsb = _quant_groups(tl.reshape(y.to(tl.float32), (K // 32, 32)), K // 32)
             acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0,
-                               True, xw1, xw2, xd1, xsa, xsb, EVICT)
+                               True, xw1, xw2, xd1, xsa, xsb, EVICT, KPAIR)
         elif EARLY:
             w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT)
             _pdl_enter(PDL)
             acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0,
-                               EVICT=EVICT)
+                               EVICT=EVICT, KPAIR=KPAIR)
         else:
             _pdl_enter(PDL)
         if FIRST >= GROUPS_PER_SPLIT:
@@ -1929,17 +2037,17 @@ if triton_enabled():
             for t in tl.static_range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
-                                   EVICT=EVICT)
+                                   EVICT=EVICT, KPAIR=KPAIR)
         elif STAGES > 0:
             for t in tl.range(FIRST, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
-                                   EVICT=EVICT)
+                                   EVICT=EVICT, KPAIR=KPAIR)
         else:
             for t in range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
-                                   EVICT=EVICT)
+                                   EVICT=EVICT, KPAIR=KPAIR)
         if GLU >= 0:
             _glu_quant_store(tl.sum(acc, axis=1), out_ptr, qw_ptr, qd_ptr, qs_ptr, pid_m, pid_n, F, GLU)
         else:
@@ -2041,7 +2149,8 @@ if triton_enabled():
 
     @triton.jit
     def _dequant_kernel(out_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, N,
-                        K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                        K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                        KPAIR: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_g = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -2051,7 +2160,7 @@ if triton_enabled():
         for u in tl.static_range(GROUPS):
             g = pid_g * GROUPS + u
             qa, qb = _group_codes(codes_ptr, high_ptr, rows, mask_n, g, K, QTYPE)
-            scale_a, scale_b, offset = _group_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, rows, mask_n, g, K, QTYPE)
+            scale_a, scale_b, offset = _group_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, rows, mask_n, g, K, QTYPE, KPAIR)
             wa = qa.to(tl.float32) * scale_a[:, None]
             wb = qb.to(tl.float32) * scale_b[:, None]
             if QTYPE == 3:

@@ -5,6 +5,7 @@ The repacked layout itself is checked on every machine.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -162,9 +163,7 @@ def test_shipped_tuned_table_is_well_formed():
     """Every entry of gemv_tuned.json names a GPU type and an [n, k] shape, and parses to a
     tiling the kernel accepts (power-of-two tiles, a loop form at most); ``BF16`` entries
     are the dense kernel's (``triton_dense.parse_config``); ``GLU:`` entries are gate|up
-    tilings ``quant_glu`` can run."""
-    import json
-
+    tilings ``quant_glu`` can run; ``SCALES:`` entries name a K-quant scale layout."""
     from lodestar.kernels import triton_dense as td
     table = json.loads(tq.TUNED_TABLE.read_text())
     devices = {k: v for k, v in table.items() if not k.startswith("_")}
@@ -172,6 +171,11 @@ def test_shipped_tuned_table_is_well_formed():
     names = {t.name for t in tq.GPU_QUANT_TYPES}
     for entries in devices.values():
         for key, text in entries.items():
+            if key.startswith("SCALES:"):     # a Q4_K / Q5_K weight's scale layout (kquant_pairs)
+                qtype, shape = key.removeprefix("SCALES:").split(":")
+                n, k = (int(v) for v in shape.split(","))
+                assert qtype in ("Q4_K", "Q5_K") and n > 0 and k % 256 == 0 and text in ("pair", "split")
+                continue
             glu = key.startswith("GLU:")
             qtype, shape = key.removeprefix("GLU:").split(":")
             n, k = (int(v) for v in shape.split(","))
@@ -205,6 +209,50 @@ def test_word_tile_kernel_without_masks(qtype):
     # a cap on registers (ptxas .maxnreg; spills at 64) changes no bit
     capped = tq.quant_matmul(x.to(dev), pw, torch.float32, config=replace(cfg, maxnreg=64)).cpu()
     assert torch.equal(got.view(torch.int32), capped.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_K, id="Q4_K"), pytest.param(tq.T.Q5_K, id="Q5_K")])
+def test_kquant_scale_pairs_give_the_same_bits(qtype, monkeypatch, tmp_path):
+    """Q4_K / Q5_K scales in pairs (``LODESTAR_KQUANT_SCALES=pair``) or in four arrays
+    (``split``): the same bytes; dequantization and the word-tile kernel give the same bits
+    from either layout. The group-tile kernel's per-group sum ``(d*sc)*dot - (dmin*m)*xs`` may
+    be contracted into fused multiply-adds differently by the compiler for each (seen on the
+    H200: last-bit differences), so there it is held to fp32 rounding."""
+    dev = kernel_device()
+    n, k = 48, 1024
+    data = random_gguf(qtype, n, k, seed=21).to(dev)
+    monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "split")
+    split = tq.pack(qtype, data, n, k)
+    monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "pair")
+    pair = tq.pack(qtype, data, n, k)
+    assert pair.paired and not split.paired and pair.dmin is None and pair.m is None
+    assert pair.nbytes == split.nbytes
+    assert torch.equal(tq.dequantize_packed_ref(pair), tq.dequantize_packed_ref(split))
+    assert torch.equal(tq.dequantize_packed(pair, torch.float32), tq.dequantize_packed(split, torch.float32))
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(dev)
+    for cfg in (tq.GemvConfig(16, 32, 2, 4, words=True), tq.GemvConfig(8, 32, 1, 1, words=True, unroll=True),
+                tq.GemvConfig(16, 32, 1, 4, words=True), tq.GemvConfig(16, 8, 2, 4),
+                tq.GemvConfig(16, 8, 1, 4, prefetch=True)):
+        a = tq.quant_matmul(x, split, torch.float32, config=cfg)
+        b = tq.quant_matmul(x, pair, torch.float32, config=cfg)
+        if cfg.words:
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), cfg
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(a.abs().max()))
+    monkeypatch.setenv("LODESTAR_KQUANT_SCALES", f"4096x4096,{n}x{k}")
+    assert tq.pack(qtype, data, n, k).paired and not tq.pack(qtype, data[: n // 2], n // 2, k).paired
+    monkeypatch.delenv("LODESTAR_KQUANT_SCALES")           # a table's SCALES entry
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({f"SCALES:{qtype.name}:{n},{k}": "pair"}))
+    monkeypatch.setenv("LODESTAR_GEMV_TABLE", str(table))
+    assert tq.pack(qtype, data, n, k).paired and not tq.pack(qtype, data[: n // 2], n // 2, k).paired
+    monkeypatch.setenv("LODESTAR_GEMV_TABLE", "off")
+    assert not tq.pack(qtype, data, n, k).paired
+    monkeypatch.delenv("LODESTAR_GEMV_TABLE")
+    assert not tq.pack(qtype, data.cpu(), n, k).paired      # no table off the GPU: split
+    monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "pairs")
+    with pytest.raises(ValueError, match="pair, split or shapes"):
+        tq.pack(qtype, data, n, k)
 
 
 def test_rule_picks_the_word_tile_kernel_for_its_types():
