@@ -377,8 +377,11 @@ def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.devi
     539.7-541.2 tok/s against 560.3-561.1 split (runs 102-104); per kernel (run 103, chain)
     o 116.9 us a step against 127.2 and gate|up 581.9 against 587.0, but q|k|v 228.8 against
     200.1 and down 408.3 against 350.1. Run 105: o and gate|up paired 561.2 -> 566.3, with
-    o in 16 rows x 128 groups x 8 warps too 567.6 (that tiling split 564.4): the H200
-    table's entries."""
+    o in 16 rows x 128 groups x 8 warps too 567.6 (that tiling split 564.4). Run 107: q|k|v
+    paired as well, in whole rows of 8 x 128 groups x 2 warps (one tile a program, its
+    RMSNorm computed in the same kernel), 567.95 -> 579.2 (that tiling split 553.4); run 108:
+    578.7 against 568.3 for the q|k|v before. Down paired lost in every tiling tried (runs
+    102-104, 109). The H200 table pairs o, gate|up and q|k|v."""
     if qtype not in (T.Q4_K, T.Q5_K):
         return False
     value = os.environ.get("LODESTAR_KQUANT_SCALES", "").strip()
