@@ -14,7 +14,9 @@ many waves a projection's programs run.
 A case is ``KIND:TYPE:N,K:CONFIG`` (``CONFIG`` as ``LODESTAR_GEMV``): ``gemv`` the plain
 product, ``gemv-sum`` with its K splits left to the next RMSNorm (fusion ``norm_sum``),
 ``glu`` the gate|up product of ``glu_quant`` (N = 2 x the FFN width). Prints one JSON line a
-case. Runs in a process of its own: the kernels are defined when ``triton_quant`` is first
+case. A Q4_K / Q5_K weight's scales are laid out as ``triton_quant.kquant_pairs`` would on
+the GPU named by ``--gpu`` (its ``SCALES`` table entry; ``LODESTAR_KQUANT_SCALES`` and
+``LODESTAR_GEMV_TABLE`` as there), reported as ``scales``. Runs in a process of its own: the kernels are defined when ``triton_quant`` is first
 imported, and only if a GPU seems present, which this tool pretends.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import tempfile
 
 # The 8B (Llama-3.1-8B geometry) word-tile products in their shipped H200 tilings, and the
-# forms they replaced (docs/benchmarks.md, stops 21-22).
+# forms they replaced (docs/benchmarks.md, stops 21-23).
 CASES = (
     "glu:Q4_0:28672,4096:64,16,1,4,0,0,1,1,128",
     "glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1",
@@ -38,6 +40,9 @@ CASES = (
     "gemv:Q4_0:4096,4096:32,128,1,8,0,0,0,1",
     "gemv:Q4_K:28672,4096:8,32,1,1,0,0,0,1",
     "gemv-sum:Q4_K:4096,14336:16,32,2,4,0,0,0,1",
+    "gemv:Q4_K:6144,4096:8,128,1,2,0,0,0,1",
+    "gemv:Q4_K:6144,4096:16,32,1,4,0,0,0,1",
+    "gemv:Q4_K:4096,4096:16,128,1,8,0,0,0,1",
 )
 KINDS = ("gemv", "gemv-sum", "glu")
 
@@ -81,7 +86,7 @@ def _usage(cubin: bytes) -> dict:
             "local": int(fields["LOCAL"])}
 
 
-def measure(cases: list[str], arch: int, sms: int) -> list[dict]:
+def measure(cases: list[str], arch: int, sms: int, gpu: str = "NVIDIA H200") -> list[dict]:
     """Compile each case for ``sm_<arch>``; its resource use, programs per SM and waves, or
     ``error`` where the launch refuses the tiling (as ``quant_glu`` does a gate|up tiling
     whose programs do not hold whole 32-unit groups)."""
@@ -109,13 +114,26 @@ def measure(cases: list[str], arch: int, sms: int) -> list[dict]:
     for text in cases:
         calls.clear()
         try:
-            out.append(_measure_case(text, tq, kernel, calls, backend, target, sms))
+            out.append(_measure_case(text, tq, kernel, calls, backend, target, sms, gpu))
         except ValueError as e:     # a tiling the launch refuses: say so, go on with the others
             out.append({"case": text, "error": str(e)})
     return out
 
 
-def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int) -> dict:
+def _scales(tq, qtype, n: int, k: int, gpu: str) -> str | None:
+    """``pair`` or ``split``: the layout ``kquant_pairs`` gives an [n, k] weight of ``qtype``
+    on the GPU ``gpu`` (None for types without one)."""
+    if qtype not in (tq.T.Q4_K, tq.T.Q5_K):
+        return None
+    env, table = os.environ.get("LODESTAR_KQUANT_SCALES", "").strip(), os.environ.get("LODESTAR_GEMV_TABLE", "")
+    if env or table.strip():
+        import torch
+        return "pair" if tq.kquant_pairs(qtype, n, k, torch.device("cpu")) else "split"
+    entries = json.loads(tq.TUNED_TABLE.read_text()).get(gpu, {})
+    return "pair" if entries.get(f"SCALES:{qtype.name}:{n},{k}") == "pair" else "split"
+
+
+def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int, gpu: str) -> dict:
     import torch
     import triton
     from gguf import GGMLQuantizationType as T
@@ -128,7 +146,17 @@ def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int)
     qtype = T[qname]
     rows = min(n, 2 * cfg.block_n)              # the kernel does not depend on N; a small weight will do
     blocks, size = GGML_QUANT_SIZES[qtype]
-    pw = tq.pack(qtype, torch.zeros(rows, k // blocks * size, dtype=torch.uint8), rows, k)
+    scales = _scales(tq, qtype, n, k, gpu)
+    saved = os.environ.get("LODESTAR_KQUANT_SCALES")
+    try:        # the layout of the [n, k] weight, for the smaller one packed here
+        if scales:
+            os.environ["LODESTAR_KQUANT_SCALES"] = scales
+        pw = tq.pack(qtype, torch.zeros(rows, k // blocks * size, dtype=torch.uint8), rows, k)
+    finally:
+        if saved is None:
+            os.environ.pop("LODESTAR_KQUANT_SCALES", None)
+        else:
+            os.environ["LODESTAR_KQUANT_SCALES"] = saved
     words, d1, sums = tq.QuantizedRows.empty(1, k, torch.device("cpu"))
     x = tq.QuantizedRows(torch.zeros(1, k, dtype=torch.bfloat16), words, d1, sums)
     if kind == "glu":
@@ -144,7 +172,7 @@ def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int)
     per_sm = programs_per_sm(use["registers"], cfg.num_warps)
     programs = n // cfg.block_n * (1 if kind == "glu" else cfg.split_k)
     return {"case": text, **use, "programs_per_sm": per_sm, "programs": programs,
-            "waves": round(programs / (per_sm * sms), 2) if per_sm else None}
+            "waves": round(programs / (per_sm * sms), 2) if per_sm else None} | ({"scales": scales} if scales else {})
 
 
 def main() -> None:
@@ -152,6 +180,7 @@ def main() -> None:
     ap.add_argument("cases", nargs="*", help="KIND:TYPE:N,K:CONFIG (default: the 8B cases)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90 (H100/H200)")
     ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU, for the waves (H200: 132)")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="GPU model whose SCALES table entries set the Q4_K layout")
     a = ap.parse_args()
     try:
         for c in a.cases:
@@ -160,7 +189,7 @@ def main() -> None:
         ap.error(str(e))
     cases = a.cases or list(CASES)
     failed = 0
-    for row in measure(cases, a.arch, a.sms):
+    for row in measure(cases, a.arch, a.sms, a.gpu):
         print(json.dumps(row), flush=True)
         failed += "error" in row
     sys.exit(1 if failed else 0)

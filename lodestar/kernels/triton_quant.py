@@ -1357,19 +1357,19 @@ if triton_enabled():
             scale_a = d * sa
             scale_b = d * sb
             offset = d * 0.0
-        elif (QTYPE == 12 or QTYPE == 13) and KPAIR:
-            d = tl.load(d_ptr + 2 * (rows * (K // 256) + g // 8), mask=mask_n, other=0).to(tl.float32)
-            dmin = tl.load(d_ptr + 2 * (rows * (K // 256) + g // 8) + 1, mask=mask_n, other=0).to(tl.float32)
-            sc = tl.load(sc_ptr + 2 * (rows * (K // 32) + g), mask=mask_n, other=0).to(tl.float32)
-            mn = tl.load(sc_ptr + 2 * (rows * (K // 32) + g) + 1, mask=mask_n, other=0).to(tl.float32)
-            scale_a = d * sc
-            scale_b = scale_a
-            offset = dmin * mn              # subtracted (as the reference does)
         elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K
-            d = tl.load(d_ptr + rows * (K // 256) + g // 8, mask=mask_n, other=0).to(tl.float32)
-            dmin = tl.load(dmin_ptr + rows * (K // 256) + g // 8, mask=mask_n, other=0).to(tl.float32)
-            sc = tl.load(sc_ptr + rows * (K // 32) + g, mask=mask_n, other=0).to(tl.float32)
-            mn = tl.load(m_ptr + rows * (K // 32) + g, mask=mask_n, other=0).to(tl.float32)
+            blk = rows * (K // 256) + g // 8
+            grp = rows * (K // 32) + g
+            if KPAIR:
+                d = tl.load(d_ptr + 2 * blk, mask=mask_n, other=0).to(tl.float32)
+                dmin = tl.load(d_ptr + 2 * blk + 1, mask=mask_n, other=0).to(tl.float32)
+                sc = tl.load(sc_ptr + 2 * grp, mask=mask_n, other=0).to(tl.float32)
+                mn = tl.load(sc_ptr + 2 * grp + 1, mask=mask_n, other=0).to(tl.float32)
+            else:
+                d = tl.load(d_ptr + blk, mask=mask_n, other=0).to(tl.float32)
+                dmin = tl.load(dmin_ptr + blk, mask=mask_n, other=0).to(tl.float32)
+                sc = tl.load(sc_ptr + grp, mask=mask_n, other=0).to(tl.float32)
+                mn = tl.load(m_ptr + grp, mask=mask_n, other=0).to(tl.float32)
             scale_a = d * sc
             scale_b = scale_a
             offset = dmin * mn              # subtracted (as the reference does)

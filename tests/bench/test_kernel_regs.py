@@ -58,3 +58,17 @@ def test_a_refused_tiling_is_reported_and_the_others_still_run():
     assert code == 1
     assert "glu_epilogue_ok" in bad["error"] and "registers" not in bad
     assert good["registers"] > 0 and good["programs"] == 4096 // 16 * 7
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its ptxas and cuobjdump)")
+def test_kquant_scale_layout_follows_the_gpu_table(monkeypatch):
+    """A Q4_K weight is compiled in the scale layout the H200 table gives its shape (q|k|v in
+    pairs, down split), or the one LODESTAR_KQUANT_SCALES names; Q4_0 has none."""
+    monkeypatch.delenv("LODESTAR_KQUANT_SCALES", raising=False)
+    monkeypatch.delenv("LODESTAR_GEMV_TABLE", raising=False)
+    qkv, down = "gemv:Q4_K:6144,4096:8,128,1,2,0,0,0,1", "gemv-sum:Q4_K:4096,14336:16,32,2,4,0,0,0,1"
+    code, (a, b, c) = _run_tool(qkv, down, "gemv:Q4_0:6144,4096:8,128,1,1,0,0,0,1")
+    assert code == 0 and a["scales"] == "pair" and b["scales"] == "split" and "scales" not in c
+    monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "split")
+    code, (a,) = _run_tool(qkv)
+    assert code == 0 and a["scales"] == "split"
