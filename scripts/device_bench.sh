@@ -11,7 +11,7 @@
 # carried along; the package itself runs from the source tree (PYTHONPATH).
 # Every stage is time-boxed; a stage that fails or times out is recorded in bench.json
 # and the next one runs. The whole run stays under BUDGET_S seconds (default 530).
-# TEST_WORKERS=N runs the GPU tests in N processes (pytest-xdist wheels in .whl/).
+# TEST_WORKERS=N runs the GPU tests in N processes (default 8; pytest-xdist wheels in .whl/).
 # Writes under $OUT: pytest.xml (GPU tests), pytest-tp.xml (two-GPU tests), bench.json (all measurements, errors and
 # stage exit codes), sweep.csv + sweep.svg (decode speed against context), gemv-variants.json
 # (matrix-vector tilings and loop forms per 8B shape), dense-variants.json (the same for the dense
@@ -96,12 +96,14 @@ stage() {
   want "$1" || return 0
   _stage "$@"
 }
-# ~390 tests: 143 s with a warm Triton cache, over 300 s on a fresh machine (runs 79-80), mostly
-# Triton compiling; TEST_WORKERS=N spreads them over N processes (pytest-xdist, carried in .whl/)
-# sharing the GPU and the Triton cache.
+# ~430 tests, mostly Triton compiling: in one process 143 s with a warm Triton cache and over
+# 300 s on a fresh machine (runs 79-80); in 8 processes (pytest-xdist, carried in .whl/,
+# sharing the GPU and the Triton cache) 89-107 s on a fresh machine (stop 23). TEST_WORKERS=N
+# sets the processes (default 8 where xdist imports; 1: one process, no xdist).
 workers=()
-if [ -n "${TEST_WORKERS:-}" ]; then
-  if $PY -c "import xdist" 2>/dev/null; then workers=(-n "$TEST_WORKERS"); else say "TEST_WORKERS: no pytest-xdist, one process"; fi
+nw=${TEST_WORKERS:-8}
+if [ "$nw" != 1 ]; then
+  if $PY -c "import xdist" 2>/dev/null; then workers=(-n "$nw"); else say "TEST_WORKERS=$nw: no pytest-xdist, one process"; fi
 fi
 stage tests 480 $PY -m pytest -q -p no:cacheprovider -o addopts="" ${workers[@]+"${workers[@]}"} --junitxml="$OUT/pytest.xml" \
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
