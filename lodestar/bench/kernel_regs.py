@@ -144,7 +144,7 @@ def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int,
     kind, qname, n, k, config = parse_case(text)
     cfg = tq.parse_gemv_config(config)
     qtype = T[qname]
-    rows = min(n, 2 * cfg.block_n)              # the kernel does not depend on N; a small weight will do
+    rows = min(n, 2 * max(cfg.block_n, 32))     # the kernel does not depend on N; a small weight will do
     blocks, size = GGML_QUANT_SIZES[qtype]
     scales = _scales(tq, qtype, n, k, gpu)
     saved = os.environ.get("LODESTAR_KQUANT_SCALES")

@@ -797,10 +797,14 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def reserve_tile_counters(pw: PackedWeight, config: GemvConfig | None = None) -> None:
     """Allocate ``pw``'s tile counters for up to SMALL_M_MAX rows now (before any CUDA-graph
-    capture) if its products split K."""
+    capture) if its products split K, or if ``glu_quant`` runs it as a gate|up in programs of
+    fewer than 32 units (group arrival counters)."""
     cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
     if cfg.split_k > 1:
         _tile_counters(pw, SMALL_M_MAX * -(-pw.n // cfg.block_n))
+    glu = glu_gemv_config(pw) if config is None and pw.qtype in WORDS_CAPABLE else None
+    if glu is not None and glu.block_n < 2 * GROUP:     # a gate|up of glu_quant in small programs
+        _tile_counters(pw, SMALL_M_MAX * (pw.n // 2) // GROUP)
 
 
 def graph_buffers(cache: dict, device: torch.device, need: int, minimum: int, size_of, make, what: str):
@@ -1242,16 +1246,18 @@ def glu_entry(table: dict, n: int, k: int, qtype: GGMLQuantizationType) -> GemvC
 
 def glu_epilogue_ok(pw: PackedWeight, rows: int, ffn: int, config: GemvConfig | None = None) -> bool:
     """Whether ``quant_glu`` runs ``rows`` rows over ``pw`` as a gate|up weight of 2 * ``ffn``
-    rows (gate rows, then up rows): a word-tile type with a tiling (``config``, else
-    ``glu_gemv_config``) without K splits whose programs hold whole 32-unit groups of both
-    halves, at most ``SMALL_M_MAX`` rows."""
-    if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.n != 2 * ffn:
+    rows (gate rows, then up rows; ``ffn`` a multiple of 32): a word-tile type with a tiling
+    (``config``, else ``glu_gemv_config``) without K splits whose programs hold whole 32-unit
+    groups of both halves, or a whole fraction of one (1, 2, 4, 8 or 16 units of each half:
+    the group's last program quantizes it, ``_glu_quant_store``), at most ``SMALL_M_MAX``
+    rows."""
+    if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.n != 2 * ffn or ffn % GROUP:
         return False
     cfg = config or glu_gemv_config(pw)
     if cfg is None:
         return False
     half = cfg.block_n // 2
-    return cfg.words and cfg.split_k == 1 and half % GROUP == 0 and ffn % half == 0
+    return cfg.words and cfg.split_k == 1 and half > 0 and (half % GROUP == 0 or GROUP % half == 0) and ffn % half == 0
 
 
 def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None = None) -> QuantizedRows:
@@ -1277,8 +1283,10 @@ def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None
     out = torch.empty(M, ffn, device=words.device, dtype=dtype)
     qw, qd, qs = QuantizedRows.empty(M, ffn, words.device)
     even = groups % cfg.tile_groups == 0
+    # arrival counters of the 32-unit groups when a program holds fewer than 32 units
+    counters = _tile_counters(pw, max(M, SMALL_M_MAX) * ffn // GROUP) if cfg.block_n < 2 * GROUP else d1
     _gemv_words_kernel[(M, pw.n // cfg.block_n, 1)](
-        words, d1, sums, out, out, d1, pw.codes.view(torch.int32), *_ptr_args(pw)[1:], pw.n, ffn, 0,
+        words, d1, sums, out, out, counters, pw.codes.view(torch.int32), *_ptr_args(pw)[1:], pw.n, ffn, 0,
         *(d1,) * 6, *(0,) * 5, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
         GROUPS_PER_SPLIT=groups, SPLIT=1, LAST_SUMS=False, ASM=not interpreted(), STAGES=cfg.stages,
         UNROLL=cfg.unroll, EVEN=even, EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), ROPE=False, NQ=0,
@@ -2052,7 +2060,7 @@ if triton_enabled():
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
                                    EVICT=EVICT, KPAIR=KPAIR)
         if GLU >= 0:
-            _glu_quant_store(tl.sum(acc, axis=1), out_ptr, qw_ptr, qd_ptr, qs_ptr, pid_m, pid_n, F, GLU)
+            _glu_quant_store(tl.sum(acc, axis=1), out_ptr, qw_ptr, qd_ptr, qs_ptr, pid_m, pid_n, F, GLU, count_ptr)
         else:
             _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
                         stride_om, stride_split, SPLIT, LAST_SUMS, ROPE, rc, rs, slot, kc_ptr, vc_ptr, skc0, skc1,
@@ -2068,21 +2076,41 @@ if triton_enabled():
         return pid_n * H2 + (i % H2) + (i // H2) * F
 
     @triton.jit
-    def _glu_quant_store(y, out_ptr, qw_ptr, qd_ptr, qs_ptr, pid_m, pid_n, F, ACT: tl.constexpr):
+    def _glu_quant_store(y, out_ptr, qw_ptr, qd_ptr, qs_ptr, pid_m, pid_n, F, ACT: tl.constexpr, count_ptr):
         """Final sums ``y [BN]`` of a gate|up tile in ``_glu_rows`` order: each rounded to
         ``out``'s dtype as the product's output would be, then ``act(gate) * up`` rounded
         again and quantized, the bits of ``triton_fused._glu_block`` with QUANT over that
-        output (units ``pid_n * BN/2 ..`` of row ``pid_m``; F a multiple of BN/2)."""
+        output (units ``pid_n * BN/2 ..`` of row ``pid_m``; F a multiple of BN/2 and of 32).
+        A program of fewer than 32 units (BN/2 < 32) stores its activation values, then
+        counts itself in its group's arrival counter (``count``: one int32 per row and
+        32-unit group, 0 between launches); the last of the group's 32 / (BN/2) programs to
+        arrive reads the group's 32 values back from L2 and quantizes them (the same values,
+        so the same bits), then puts the counter back to 0 (as ``_store_rows``' LAST_SUMS)."""
         BN: tl.constexpr = y.shape[0]
         H2: tl.constexpr = BN // 2
-        GB: tl.constexpr = H2 // 32
         yb = y.to(out_ptr.dtype.element_ty)
         g, u = tl.split(tl.permute(tl.reshape(yb, (2, H2)), (1, 0)))
         a = _glu_act(g.to(tl.float32), u.to(tl.float32), ACT).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + pid_m.to(tl.int64) * F + pid_n * H2 + tl.arange(0, H2), a)
-        w1, w2, d1, sa, sb = _quant_groups(tl.reshape(a.to(tl.float32), (GB, 32)), GB)
-        grp = pid_m.to(tl.int64) * (F // 32) + pid_n * GB + tl.arange(0, GB)
-        _store_quant_groups(qw_ptr, qd_ptr, qs_ptr, grp, grp >= 0, w1, w2, d1, sa, sb)
+        row = pid_m.to(tl.int64) * F
+        tl.store(out_ptr + row + pid_n * H2 + tl.arange(0, H2), a)
+        if H2 >= 32:
+            GB: tl.constexpr = H2 // 32
+            w1, w2, d1, sa, sb = _quant_groups(tl.reshape(a.to(tl.float32), (GB, 32)), GB)
+            grp = pid_m.to(tl.int64) * (F // 32) + pid_n * GB + tl.arange(0, GB)
+            _store_quant_groups(qw_ptr, qd_ptr, qs_ptr, grp, grp >= 0, w1, w2, d1, sa, sb)
+        else:
+            PER: tl.constexpr = 32 // H2            # programs of one 32-unit group
+            # every thread's values are stored before the counter moves (barrier, then a
+            # release); the last arrival reads the others' values from L2 after its acquire
+            tl.debug_barrier()
+            gi = pid_m.to(tl.int64) * (F // 32) + pid_n // PER
+            arrived = tl.atomic_add(count_ptr + gi, 1, sem="acq_rel", scope="gpu")
+            if arrived == PER - 1:
+                v = tl.load(out_ptr + row + (pid_n // PER) * 32 + tl.arange(0, 32), cache_modifier=".cg")
+                w1, w2, d1, sa, sb = _quant_groups(tl.reshape(v.to(tl.float32), (1, 32)), 1)
+                grp = gi + tl.arange(0, 1)
+                _store_quant_groups(qw_ptr, qd_ptr, qs_ptr, grp, grp >= 0, w1, w2, d1, sa, sb)
+                tl.atomic_xchg(count_ptr + gi, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _prefetch_l2(ptrs):

@@ -178,16 +178,19 @@ GLU_TYPES = [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE]
 
 
 @pytest.mark.parametrize("qtype", GLU_TYPES)
-@pytest.mark.parametrize("block_n,tile", [(64, 8), (128, 16)], ids=["64rows", "128rows"])
+@pytest.mark.parametrize("block_n,tile", [(64, 8), (128, 16), (8, 8), (32, 4)],
+                         ids=["64rows", "128rows", "8rows", "32rows"])
 @pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu_tanh"])
 def test_gate_up_with_the_activation_in_its_epilogue_gives_the_bits_of_product_then_activation(
         qtype, block_n, tile, act):
     """Fusion ``glu_quant``: the gate|up kernel holding gate and up rows of the same units
     writes the gated activation and its quantized form, bit for bit what the product with
-    the same tiling, then the activation kernel with ``quantize=True`` give."""
+    the same tiling, then the activation kernel with ``quantize=True`` give; in programs of
+    fewer than 32 units (8 and 32 rows) the last of a group's programs quantizes it, and the
+    arrival counters are back at 0 after each launch."""
     from lodestar.kernels.triton_dense import GELU_TANH, SILU
     dev = kernel_device()
-    ffn, k = 2 * block_n, 512
+    ffn, k = max(2 * block_n, 64), 512
     cfg = tq.GemvConfig(block_n, tile, 1, 4, words=True)
     pw = _weight(qtype, 2 * ffn, k, dev, seed=ffn + act)
     assert tq.glu_epilogue_ok(pw, 3, ffn, cfg)
@@ -201,6 +204,8 @@ def test_gate_up_with_the_activation_in_its_epilogue_gives_the_bits_of_product_t
             assert _same_bits(got.x, want.x), m
             assert torch.equal(got.words, want.words)
             assert _same_bits(got.d1, want.d1) and _same_bits(got.sums, want.sums)
+            if block_n < 64:
+                assert pw.tile_counters is not None and not pw.tile_counters.any()
 
 
 def test_glu_epilogue_ok_refuses_what_the_kernel_cannot_run():
@@ -211,10 +216,12 @@ def test_glu_epilogue_ok_refuses_what_the_kernel_cannot_run():
     assert not tq.glu_epilogue_ok(pw, 0, 128, words)
     assert not tq.glu_epilogue_ok(pw, tq.SMALL_M_MAX + 1, 128, words)
     assert not tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(64, 8, 2, 4, words=True))  # K split
-    assert not tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(32, 8, 1, 4, words=True))  # 16-unit halves
+    assert tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(32, 8, 1, 4, words=True))      # 16 units: counted
+    assert tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(2, 8, 1, 1, words=True))       # one unit of each half
     assert not tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(64, 8, 1, 4))             # group-tile kernel
     odd = _weight(tq.T.Q4_0, 160, 512, "cpu", seed=4)
     assert not tq.glu_epilogue_ok(odd, 1, 80, words)                                  # 80 units: not whole halves
+    assert not tq.glu_epilogue_ok(odd, 1, 80, tq.GemvConfig(8, 8, 1, 1, words=True))  # nor whole 32-unit groups
     with pytest.raises(ValueError, match="glu_epilogue_ok"):
         tq.quant_glu(torch.zeros(1, 512, dtype=torch.bfloat16), odd, 80, 0, config=words)
 
