@@ -52,9 +52,9 @@ def test_a_cap_on_registers_reaches_the_compiled_kernel():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its ptxas and cuobjdump)")
 def test_a_refused_tiling_is_reported_and_the_others_still_run():
-    """A gate|up tiling of 32 rows cannot hold whole 32-unit groups of both halves: its line
-    names the error, the next case is still compiled, and the exit status says one failed."""
-    code, (bad, good) = _run_tool("glu:Q4_0:28672,4096:32,16,1,2,0,0,0,1", "gemv:Q4_0:4096,14336:16,16,7,1,0,0,0,1")
+    """A gate|up tiling split along K cannot apply the activation in its kernel: its line names
+    the error, the next case is still compiled, and the exit status says one failed."""
+    code, (bad, good) = _run_tool("glu:Q4_0:28672,4096:64,16,2,4,0,0,0,1", "gemv:Q4_0:4096,14336:16,16,7,1,0,0,0,1")
     assert code == 1
     assert "glu_epilogue_ok" in bad["error"] and "registers" not in bad
     assert good["registers"] > 0 and good["programs"] == 4096 // 16 * 7
