@@ -16,7 +16,8 @@ product, ``gemv-sum`` with its K splits left to the next RMSNorm (fusion ``norm_
 ``glu`` the gate|up product of ``glu_quant`` (N = 2 x the FFN width). Prints one JSON line a
 case. A Q4_K / Q5_K weight's scales are laid out as ``triton_quant.kquant_pairs`` would on
 the GPU named by ``--gpu`` (its ``SCALES`` table entry; ``LODESTAR_KQUANT_SCALES`` and
-``LODESTAR_GEMV_TABLE`` as there), reported as ``scales``. Runs in a process of its own: the kernels are defined when ``triton_quant`` is first
+``LODESTAR_GEMV_TABLE`` as there), reported as ``scales``. ``--sass`` adds instruction counts
+of the compiled kernel (``sass_counts``: the whole kernel's, and a pass of its tile loop). Runs in a process of its own: the kernels are defined when ``triton_quant`` is first
 imported, and only if a GPU seems present, which this tool pretends.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -86,7 +88,39 @@ def _usage(cubin: bytes) -> dict:
             "local": int(fields["LOCAL"])}
 
 
-def measure(cases: list[str], arch: int, sms: int, gpu: str = "NVIDIA H200") -> list[dict]:
+def sass_counts(sass: str) -> dict:
+    """Instruction counts of a kernel's SASS (``cuobjdump -sass`` text): the whole kernel's
+    instructions and global loads, and for its longest loop (the span of its longest backward
+    branch; None without one, e.g. a program of one tile) the instructions, global loads and
+    dp4a (``IDP``) a pass takes."""
+    ops: list[tuple[int, str, int | None]] = []          # (address, opcode, backward target)
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if not m:
+            continue
+        addr, op = int(m.group(1), 16), m.group(2)
+        target = re.match(r"\s+0x([0-9a-f]+)", m.group(3)) if op.startswith("BRA") else None
+        back = int(target.group(1), 16) if target and int(target.group(1), 16) < addr else None
+        ops.append((addr, op, back))
+    loads = lambda span: sum(op.startswith("LDG") for _, op, _ in span)     # noqa: E731
+    out = {"instructions": len(ops), "loads": loads(ops), "loop": None}
+    loops = [(addr - back, back, addr) for addr, _, back in ops if back is not None]
+    if loops:
+        _, lo, hi = max(loops)
+        body = [o for o in ops if lo <= o[0] <= hi]
+        out["loop"] = {"instructions": len(body), "loads": loads(body),
+                       "dp4a": sum(op.startswith("IDP") for _, op, _ in body)}
+    return out
+
+
+def _sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def measure(cases: list[str], arch: int, sms: int, gpu: str = "NVIDIA H200", sass: bool = False) -> list[dict]:
     """Compile each case for ``sm_<arch>``; its resource use, programs per SM and waves, or
     ``error`` where the launch refuses the tiling (as ``quant_glu`` does a gate|up tiling
     whose programs do not hold whole 32-unit groups)."""
@@ -114,7 +148,7 @@ def measure(cases: list[str], arch: int, sms: int, gpu: str = "NVIDIA H200") -> 
     for text in cases:
         calls.clear()
         try:
-            out.append(_measure_case(text, tq, kernel, calls, backend, target, sms, gpu))
+            out.append(_measure_case(text, tq, kernel, calls, backend, target, sms, gpu, sass))
         except ValueError as e:     # a tiling the launch refuses: say so, go on with the others
             out.append({"case": text, "error": str(e)})
     return out
@@ -133,7 +167,7 @@ def _scales(tq, qtype, n: int, k: int, gpu: str) -> str | None:
     return "pair" if entries.get(f"SCALES:{qtype.name}:{n},{k}") == "pair" else "split"
 
 
-def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int, gpu: str) -> dict:
+def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int, gpu: str, sass: bool) -> dict:
     import torch
     import triton
     from gguf import GGMLQuantizationType as T
@@ -171,8 +205,11 @@ def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int,
     use = _usage(compiled.asm["cubin"])
     per_sm = programs_per_sm(use["registers"], cfg.num_warps)
     programs = n // cfg.block_n * (1 if kind == "glu" else cfg.split_k)
-    return {"case": text, **use, "programs_per_sm": per_sm, "programs": programs,
-            "waves": round(programs / (per_sm * sms), 2) if per_sm else None} | ({"scales": scales} if scales else {})
+    row = {"case": text, **use, "programs_per_sm": per_sm, "programs": programs,
+           "waves": round(programs / (per_sm * sms), 2) if per_sm else None} | ({"scales": scales} if scales else {})
+    if sass:
+        row["sass"] = sass_counts(_sass(compiled.asm["cubin"]))
+    return row
 
 
 def main() -> None:
@@ -181,6 +218,7 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for sm_90 (H100/H200)")
     ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU, for the waves (H200: 132)")
     ap.add_argument("--gpu", default="NVIDIA H200", help="GPU model whose SCALES table entries set the Q4_K layout")
+    ap.add_argument("--sass", action="store_true", help="also count the SASS instructions (whole kernel, longest loop)")
     a = ap.parse_args()
     try:
         for c in a.cases:
@@ -189,7 +227,7 @@ def main() -> None:
         ap.error(str(e))
     cases = a.cases or list(CASES)
     failed = 0
-    for row in measure(cases, a.arch, a.sms, a.gpu):
+    for row in measure(cases, a.arch, a.sms, a.gpu, a.sass):
         print(json.dumps(row), flush=True)
         failed += "error" in row
     sys.exit(1 if failed else 0)

@@ -72,3 +72,33 @@ def test_kquant_scale_layout_follows_the_gpu_table(monkeypatch):
     monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "split")
     code, (a,) = _run_tool(qkv)
     assert code == 0 and a["scales"] == "split"
+
+
+def test_sass_counts_find_the_longest_loop():
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;",
+        "        /*0020*/                   IDP.4A.S8.S8 R3, R2, R2, RZ ;",           # loop 1: 0x20-0x40
+        "        /*0030*/                   LDG.E.128 R8, desc[UR4][R6.64] ;",
+        "        /*0040*/              @!P0 BRA 0x20 ;",
+        "        /*0050*/                   IDP.4A.S8.S8 R3, R2, R2, RZ ;",           # loop 2: 0x50-0x60
+        "        /*0060*/              @P1 BRA 0x50 ;",
+        "        /*0070*/                   EXIT ;",
+        "        /*0080*/                   BRA 0x80;",                                # the end's self-branch
+    ])
+    got = kr.sass_counts(sass)
+    assert got == {"instructions": 9, "loads": 2, "loop": {"instructions": 3, "loads": 1, "dp4a": 1}}
+    assert kr.sass_counts("        /*0000*/                   EXIT ;")["loop"] is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its ptxas and cuobjdump)")
+def test_sass_option_counts_the_tile_loop():
+    """--sass: a looping tiling reports its loop (dp4a: 16 a group), a one-tile program none."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", "--sass",
+                          "gemv:Q4_0:28672,4096:8,32,1,1,0,0,0,1", "gemv:Q4_0:6144,4096:8,128,1,1,0,0,0,1"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    loop, whole = (json.loads(line)["sass"] for line in out.stdout.splitlines())
+    assert out.returncode == 0
+    assert loop["loop"]["dp4a"] % 16 == 0 and 0 < loop["loop"]["instructions"] < loop["instructions"]
+    assert whole["loop"] is None and whole["loads"] > 0
