@@ -372,7 +372,7 @@ def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.devi
     Read at each ``pack``.
 
     Pairs take fewer instructions (the word-tile loop of the 8B gate|up, 8 rows x 32 groups
-    x 1 warp, compiled for sm_90: 439 a tile against 506, 31 loads against 47) but not less
+    x 1 warp, compiled for sm_90: 447 a tile against 506, 31 loads against 47) but not less
     time everywhere. H200, 8B Q4_K one-stream decode, same tokens: every weight paired
     539.7-541.2 tok/s against 560.3-561.1 split (runs 102-104); per kernel (run 103, chain)
     o 116.9 us a step against 127.2 and gate|up 581.9 against 587.0, but q|k|v 228.8 against
