@@ -520,10 +520,10 @@ class GemvConfig:
     num_warps: int
     # Loop variants (``GEMV_VARIANTS``); the defaults are the plain loop measured in
     # docs/benchmarks.md. None changes a row's arithmetic across rows or batch sizes.
-    prefetch: bool = False  # issue tile t+1's loads (codes, scales, x) before tile t's math
+    prefetch: bool = False  # issue tile t+1's loads (codes, scales; x too in the group-tile kernel) before tile t's math
     stages: int = 0         # tl.range(num_stages=stages) for the tile loop; 0: the compiler's choice
     unroll: bool = False    # unroll the whole tile loop, so loads of later tiles can be hoisted
-    # the tile as code words (``_gemv_words_kernel``; ``WORDS_TYPES`` only, no ``prefetch``)
+    # the tile as code words (``_gemv_words_kernel``; ``WORDS_TYPES`` only)
     words: bool = False
     # registers a thread at most (ptxas ``.maxnreg``; 0: the compiler's choice). Same bits;
     # it sets how many programs an SM holds at once (``lodestar.bench.kernel_regs``)
@@ -533,8 +533,6 @@ class GemvConfig:
         if self.prefetch + (self.stages > 0) + self.unroll > 1:
             raise ValueError(f"{self}: prefetch, stages and unroll are alternative forms of the tile "
                              f"loop; set one of them")
-        if self.words and self.prefetch:
-            raise ValueError(f"{self}: the word-tile kernel has no prefetch form")
         if self.maxnreg and not 24 <= self.maxnreg <= 255:
             raise ValueError(f"{self}: maxnreg is 0 (the compiler's choice) or 24..255 registers")
 
@@ -552,6 +550,7 @@ GEMV_VARIANTS: dict[str, dict[str, int | bool]] = {
     # the tile held as code words, whole groups per thread (``_gemv_words_kernel``)
     "words": {"words": True, "tile_groups": 32},
     "words_unroll": {"words": True, "tile_groups": 32, "unroll": True},
+    "words_prefetch": {"words": True, "tile_groups": 32, "prefetch": True},
     "words_bn8": {"words": True, "tile_groups": 32, "block_n": 8},
     "words_bn32_w8": {"words": True, "tile_groups": 32, "block_n": 32, "num_warps": 8},
     "words_tg16": {"words": True, "tile_groups": 16},
@@ -1177,7 +1176,8 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                                  EVEN=even,
                                  EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
                                  **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), KPAIR=pw.paired,
-                                 num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **launch)
+                                 PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None,
+                                 **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -1291,7 +1291,7 @@ def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None
         GROUPS_PER_SPLIT=groups, SPLIT=1, LAST_SUMS=False, ASM=not interpreted(), STAGES=cfg.stages,
         UNROLL=cfg.unroll, EVEN=even, EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), ROPE=False, NQ=0,
         NK=0, HD=0, EVICT=weight_evict(pw.qtype, pw.n, pw.k), qw_ptr=qw, qd_ptr=qd, qs_ptr=qs, F=ffn, GLU=act,
-        KPAIR=pw.paired, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
+        KPAIR=pw.paired, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
     return QuantizedRows(out, qw, qd, qs)
 
 
@@ -1776,7 +1776,8 @@ if triton_enabled():
                     pid_m, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
                     QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                     GIVEN: tl.constexpr = False, w_given=0, XGIVEN: tl.constexpr = False, xw1=0, xw2=0,
-                    xd1=0, xsa_given=0, xsb_given=0, EVICT: tl.constexpr = "", KPAIR: tl.constexpr = False):
+                    xd1=0, xsa_given=0, xsb_given=0, EVICT: tl.constexpr = "", KPAIR: tl.constexpr = False,
+                    SGIVEN: tl.constexpr = False, s0_given=0, s1_given=0, s2_given=0, s3_given=0):
         """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, HG] fp32 array of
         products (HG = TG, or 2*TG half groups of 16 weights for Q8_0, whose groups span 8
         words). The tile is held as [BN, TG*WPG] code words (WPG words a group, each thread
@@ -1789,7 +1790,8 @@ if triton_enabled():
         one tile of the row's every group, not Q8_0): x is ``_quant_groups``' output for the
         row, computed by the caller (``xw1``, ``xw2`` [TG, 8] words, ``xd1``, ``xsa_given``,
         ``xsb_given`` [TG]), not loaded. KPAIR (Q4_K, Q5_K): the scales in pairs
-        (``PackedWeight.paired``), each pair one load (``_ld_f16x2``, ``_ld_u8x2``)."""
+        (``PackedWeight.paired``), each pair one load (``_ld_f16x2``, ``_ld_u8x2``). SGIVEN: the
+        scales are ``s0_given`` .. ``s3_given`` (``_words_scales``, loaded earlier)."""
         G: tl.constexpr = K // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
@@ -1851,16 +1853,7 @@ if triton_enabled():
                 i1 = _dp4a(hi, x1b[None, :] + zero, _dp4a(lo, x1a[None, :] + zero, zero, ASM), ASM)
                 i2 = _dp4a(hi, x2b[None, :] + zero, _dp4a(lo, x2a[None, :] + zero, zero, ASM), ASM)
         v = tl.sum(tl.reshape(i1 * 254 + i2, (BN, HG, 4)), axis=2)            # [BN, HG] exact
-        hg = tl.arange(0, HG)
-        if QTYPE == 8:
-            gg = hg // 2                                                       # group of each half
-        else:
-            gg = hg
-        xm = (g0 + gg < G) & (t + gg < GROUPS_PER_SPLIT)
-        gm = mask_n[:, None] & xm[None, :]
-        gidx = rows[:, None] * G + (g0 + gg)[None, :]                          # rows * G + g
-        if not EVEN:
-            gidx = tl.where(gm, gidx, 0)
+        gidx, gm, xm, gg = _words_gidx(rows, mask_n, g0, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
         xg = pid_m.to(tl.int64) * G + g0 + gg
         if XGIVEN:
             d1 = xd1
@@ -1877,7 +1870,51 @@ if triton_enabled():
         d2 = (d1 / 254.0)[None, :]
         f = v.to(tl.float32) * d2
         xs = (xsa + xsb)[None, :]
+        if SGIVEN:
+            s0, s1, s2, s3 = s0_given, s1_given, s2_given, s3_given
+        else:
+            s0, s1, s2, s3 = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gidx, QTYPE, ASM, KPAIR)
         if QTYPE == 12 or QTYPE == 13:   # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
+            r = (s0 * s2) * f - (s1 * s3) * xs
+        elif QTYPE == 14:                # Q6_K: w = (d*sc) * (q - 32) per 16 weights
+            fb = vb.to(tl.float32) * d2
+            r = (s0 * s1) * (f - 32.0 * xsa[None, :]) + (s0 * s2) * (fb - 32.0 * xsb[None, :])
+        elif QTYPE == 2:
+            r = s0 * (f - 8.0 * xs)
+        elif QTYPE == 3:
+            r = s0 * f + s1 * xs
+        else:
+            r = s0 * f
+        return r if EVEN else tl.where(gm, r, 0.0)
+
+    @triton.jit
+    def _words_gidx(rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr, QTYPE: tl.constexpr,
+                    TG: tl.constexpr, EVEN: tl.constexpr):
+        """Scale indexes of the tile of groups ``g0 ..`` (``_words_tile``'s [BN, HG] layout):
+        (``rows * G + group``, 0 where masked unless EVEN; that mask; the groups' mask [HG];
+        the group of each of the HG columns)."""
+        G: tl.constexpr = K // 32
+        HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
+        hg = tl.arange(0, HG)
+        if QTYPE == 8:
+            gg = hg // 2                                                       # group of each half
+        else:
+            gg = hg
+        xm = (g0 + gg < G) & (t + gg < GROUPS_PER_SPLIT)
+        gm = mask_n[:, None] & xm[None, :]
+        gidx = rows[:, None] * G + (g0 + gg)[None, :]                          # rows * G + g
+        if not EVEN:
+            gidx = tl.where(gm, gidx, 0)
+        return gidx, gm, xm, gg
+
+    @triton.jit
+    def _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gidx, QTYPE: tl.constexpr, ASM: tl.constexpr,
+                      KPAIR: tl.constexpr):
+        """The scales ``_words_tile`` multiplies a tile's products by, fp32 [BN, HG] at ``gidx``
+        (``_words_gidx``): Q4_K / Q5_K (d, dmin, sc, m), Q6_K (d, sc of weights 0..15, sc of
+        16..31, -), Q4_1 (d, m, -, -), Q4_0 / Q8_0 (d, -, -, -); a place a type has no use
+        for repeats a loaded value (never read)."""
+        if QTYPE == 12 or QTYPE == 13:
             if KPAIR:
                 sd, sdm = _ld_f16x2(d_ptr + 2 * (gidx // 8), ASM)
                 sc, mm = _ld_u8x2(sc_ptr + 2 * gidx, ASM)
@@ -1886,22 +1923,17 @@ if triton_enabled():
                 sdm = _ld_f16(dmin_ptr + gidx // 8, ASM)
                 sc = _ld_u8(sc_ptr + gidx, ASM)
                 mm = _ld_u8(m_ptr + gidx, ASM)
-            r = (sd * sc) * f - (sdm * mm) * xs
-        elif QTYPE == 14:                # Q6_K: w = (d*sc) * (q - 32) per 16 weights
+            return sd, sdm, sc, mm
+        elif QTYPE == 14:
             sd = _ld_f16(d_ptr + gidx // 8, ASM)
             sc0 = _ld_s8(sc_ptr + 2 * gidx, ASM)
             sc1 = _ld_s8(sc_ptr + 2 * gidx + 1, ASM)
-            fb = vb.to(tl.float32) * d2
-            r = (sd * sc0) * (f - 32.0 * xsa[None, :]) + (sd * sc1) * (fb - 32.0 * xsb[None, :])
+            return sd, sc0, sc1, sd
         else:
             scale = _ld_f16(d_ptr + gidx, ASM)
-            if QTYPE == 2:
-                r = scale * (f - 8.0 * xs)
-            elif QTYPE == 3:
-                r = scale * f + _ld_f16(m_ptr + gidx, ASM) * xs
-            else:
-                r = scale * f
-        return r if EVEN else tl.where(gm, r, 0.0)
+            if QTYPE == 3:
+                return scale, _ld_f16(m_ptr + gidx, ASM), scale, scale
+            return scale, scale, scale, scale
 
     @triton.jit
     def _ld_x(ptr, mask, ASM: tl.constexpr, EVEN: tl.constexpr):
@@ -1983,7 +2015,7 @@ if triton_enabled():
                            HD: tl.constexpr, PDL: tl.constexpr, nx_ptr=None, nr_ptr=None, nw_ptr=None,
                            h_ptr=None, eps=0.0, NORM: tl.constexpr = False, NORM_RES: tl.constexpr = False,
                            EVICT: tl.constexpr = "", qw_ptr=None, qd_ptr=None, qs_ptr=None, F=0,
-                           GLU: tl.constexpr = -1, KPAIR: tl.constexpr = False):
+                           GLU: tl.constexpr = -1, KPAIR: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied). EARLY: the first
         tile's code words are loaded before the wait for the previous kernel (weights only).
@@ -1997,7 +2029,9 @@ if triton_enabled():
         2 * F rows, program rows in ``_glu_rows`` order, final sums through
         ``_glu_quant_store`` (the gated activation [M, F] into ``out`` and its quantized
         form into ``qw``, ``qd``, ``qs``). KPAIR: Q4_K / Q5_K scales in pairs
-        (``PackedWeight.paired``)."""
+        (``PackedWeight.paired``). PREFETCH: the tile loop loads the next tile's code words and
+        scales before this tile's math (``GemvConfig.prefetch``; the same products in the same
+        order)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -2044,6 +2078,25 @@ if triton_enabled():
             _pdl_enter(PDL)
         if FIRST >= GROUPS_PER_SPLIT:
             pass    # one tile, done above (with NORM, x is not in words: the loop must not be compiled)
+        elif PREFETCH:
+            # tile t+1's code words and scales are loaded before tile t's math; the last pass
+            # loads its own tile again (in range, never used)
+            LAST: tl.constexpr = (GROUPS_PER_SPLIT - 1) // TG * TG
+            wn = _words_codes(codes_ptr, rows, mask_n, g_start + FIRST, FIRST, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN,
+                              EVICT)
+            gn, _gm, _xm, _gg = _words_gidx(rows, mask_n, g_start + FIRST, FIRST, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+            s0n, s1n, s2n, s3n = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gn, QTYPE, ASM, KPAIR)
+            for t in range(FIRST, GROUPS_PER_SPLIT, TG):
+                w, s0, s1, s2, s3 = wn, s0n, s1n, s2n, s3n
+                tn = tl.minimum(t + TG, LAST)
+                wn = _words_codes(codes_ptr, rows, mask_n, g_start + tn, tn, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN,
+                                  EVICT)
+                gn, _gm, _xm, _gg = _words_gidx(rows, mask_n, g_start + tn, tn, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+                s0n, s1n, s2n, s3n = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gn, QTYPE, ASM, KPAIR)
+                acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
+                                   pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
+                                   True, w, EVICT=EVICT, KPAIR=KPAIR, SGIVEN=True, s0_given=s0, s1_given=s1,
+                                   s2_given=s2, s3_given=s3)
         elif UNROLL:
             for t in tl.static_range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,

@@ -255,6 +255,25 @@ def test_kquant_scale_pairs_give_the_same_bits(qtype, monkeypatch, tmp_path):
         tq.pack(qtype, data, n, k)
 
 
+@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE])
+@pytest.mark.parametrize("early", ["0", "1"])
+def test_word_tile_prefetch_gives_the_plain_loops_bits(qtype, early, monkeypatch):
+    """The word-tile loop with the next tile's code words and scales loaded ahead
+    (``prefetch``) adds the same products in the same order as the plain loop: the same bits,
+    with and without masks (a partial last tile, a partial row block), K split or not, and
+    with the first tile loaded before the wait or not."""
+    monkeypatch.setenv("LODESTAR_GEMV_EARLY", early)
+    dev = kernel_device()
+    x = torch.randn(2, 1280, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(dev)
+    for n, k, cfg in ((64, 1024, tq.GemvConfig(16, 8, 2, 4, words=True)),
+                      (40, 1280, tq.GemvConfig(16, 16, 1, 2, words=True)),
+                      (32, 1024, tq.GemvConfig(8, 4, 1, 1, words=True))):
+        pw = tq.pack(qtype, random_gguf(qtype, n, k, seed=n).to(dev), n, k)
+        plain = tq.quant_matmul(x[:, :k], pw, torch.float32, config=cfg)
+        ahead = tq.quant_matmul(x[:, :k], pw, torch.float32, config=replace(cfg, prefetch=True))
+        assert torch.equal(plain.view(torch.int32), ahead.view(torch.int32)), (n, k, cfg)
+
+
 def test_rule_picks_the_word_tile_kernel_for_its_types():
     dev = torch.device("cpu")
     for qtype in tq.GPU_QUANT_TYPES:
