@@ -154,19 +154,6 @@ def measure(cases: list[str], arch: int, sms: int, gpu: str = "NVIDIA H200", sas
     return out
 
 
-def _scales(tq, qtype, n: int, k: int, gpu: str) -> str | None:
-    """``pair`` or ``split``: the layout ``kquant_pairs`` gives an [n, k] weight of ``qtype``
-    on the GPU ``gpu`` (None for types without one)."""
-    if qtype not in (tq.T.Q4_K, tq.T.Q5_K):
-        return None
-    env, table = os.environ.get("LODESTAR_KQUANT_SCALES", "").strip(), os.environ.get("LODESTAR_GEMV_TABLE", "")
-    if env or table.strip():
-        import torch
-        return "pair" if tq.kquant_pairs(qtype, n, k, torch.device("cpu")) else "split"
-    entries = json.loads(tq.TUNED_TABLE.read_text()).get(gpu, {})
-    return "pair" if entries.get(f"SCALES:{qtype.name}:{n},{k}") == "pair" else "split"
-
-
 def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int, gpu: str, sass: bool) -> dict:
     import torch
     import triton
@@ -180,17 +167,9 @@ def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int,
     qtype = T[qname]
     rows = min(n, 2 * max(cfg.block_n, 32))     # the kernel does not depend on N; a small weight will do
     blocks, size = GGML_QUANT_SIZES[qtype]
-    scales = _scales(tq, qtype, n, k, gpu)
-    saved = os.environ.get("LODESTAR_KQUANT_SCALES")
-    try:        # the layout of the [n, k] weight, for the smaller one packed here
-        if scales:
-            os.environ["LODESTAR_KQUANT_SCALES"] = scales
-        pw = tq.pack(qtype, torch.zeros(rows, k // blocks * size, dtype=torch.uint8), rows, k)
-    finally:
-        if saved is None:
-            os.environ.pop("LODESTAR_KQUANT_SCALES", None)
-        else:
-            os.environ["LODESTAR_KQUANT_SCALES"] = saved
+    pairs = tq.kquant_pairs(qtype, n, k, None, gpu)     # the [n, k] weight's layout, for the smaller one
+    scales = ("pair" if pairs else "split") if qtype in (T.Q4_K, T.Q5_K) else None
+    pw = tq.pack(qtype, torch.zeros(rows, k // blocks * size, dtype=torch.uint8), rows, k, pairs=pairs)
     words, d1, sums = tq.QuantizedRows.empty(1, k, torch.device("cpu"))
     x = tq.QuantizedRows(torch.zeros(1, k, dtype=torch.bfloat16), words, d1, sums)
     if kind == "glu":

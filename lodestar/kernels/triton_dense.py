@@ -122,25 +122,12 @@ def config_for(n: int, k: int, device: torch.device | None = None) -> DenseGemvC
     the shipped ``triton_quant.TUNED_TABLE`` entry ``BF16:n,k`` for this GPU model
     (``LODESTAR_GEMV_TABLE=off`` skips it); the rule (``default_config``). Read when a layer
     is built."""
-    import json
-
-    from lodestar.kernels.triton_quant import TUNED_TABLE
+    from lodestar.kernels.triton_quant import table_entry
     fixed = os.environ.get("LODESTAR_DENSE_CONFIG", "").strip()
     if fixed:
         return parse_config(fixed)
-    table = os.environ.get("LODESTAR_GEMV_TABLE", "").strip()
-    key = f"BF16:{n},{k}"
-    if table and table != "off":
-        with open(table) as f:
-            doc = json.load(f)
-        text = doc.get("table", doc).get(key)
-        if text:
-            return parse_config(text)
-    elif not table and device is not None and device.type == "cuda":
-        text = json.loads(TUNED_TABLE.read_text()).get(torch.cuda.get_device_name(device), {}).get(key)
-        if text:
-            return parse_config(text)
-    return default_config(n, k)
+    text = table_entry(f"BF16:{n},{k}", device)
+    return parse_config(text) if text else default_config(n, k)
 
 
 @dataclass

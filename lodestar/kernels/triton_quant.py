@@ -360,7 +360,8 @@ def _shift(x: torch.Tensor, *values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.uint8, device=x.device)
 
 
-def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.device) -> bool:
+def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.device | None,
+                 gpu: str | None = None) -> bool:
     """Whether ``pack`` lays out an [n, k] Q4_K / Q5_K weight's scales in pairs: a block's
     (d, dmin) side by side in ``d`` (fp16 [N, K/128]) and each group's (sc, m) in ``sc``
     (uint8 [N, K/16]), so that a kernel reads each pair in one load from one address, or
@@ -368,8 +369,8 @@ def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.devi
     same bits (``PackedWeight.paired``). Env ``LODESTAR_KQUANT_SCALES``: ``pair`` (every
     weight), ``split`` (none), or a comma list of shapes ``NxK`` to pair; unset: the
     ``SCALES:TYPE:n,k`` entry (``pair`` or ``split``) of the table ``LODESTAR_GEMV_TABLE``
-    names, else of the shipped table for this GPU model (``gemv_tuned.json``); else split.
-    Read at each ``pack``.
+    names, else of the shipped table for the GPU model ``gpu`` or ``device``'s
+    (``table_entry``); else split. Read at each ``pack``.
 
     Pairs take fewer instructions (the word-tile loop of the 8B gate|up, 8 rows x 32 groups
     x 1 warp, compiled for sm_90: 447 a tile against 506, 31 loads against 47) but not less
@@ -395,22 +396,13 @@ def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.devi
         if not shapes or any(len(sh) != 2 for sh in shapes):
             raise ValueError(f"LODESTAR_KQUANT_SCALES={value!r}: give pair, split or shapes NxK[,NxK...]")
         return (n, k) in shapes
-    key = f"SCALES:{T(qtype).name}:{n},{k}"
-    table = os.environ.get("LODESTAR_GEMV_TABLE", "").strip()
-    if table == "off":
-        return False
-    if table:
-        with open(table) as f:
-            doc = json.load(f)
-        return doc.get("table", doc).get(key) == "pair"
-    if device.type == "cuda":
-        tables = json.loads(TUNED_TABLE.read_text())
-        return tables.get(torch.cuda.get_device_name(device), {}).get(key) == "pair"
-    return False
+    return table_entry(f"SCALES:{T(qtype).name}:{n},{k}", device, gpu) == "pair"
 
 
-def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int) -> PackedWeight:
-    """GGUF bytes ``[n, bytes_per_row]`` (any device) -> ``PackedWeight`` on the same device."""
+def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int,
+         pairs: bool | None = None) -> PackedWeight:
+    """GGUF bytes ``[n, bytes_per_row]`` (any device) -> ``PackedWeight`` on the same device.
+    ``pairs``: lay Q4_K / Q5_K scales out in pairs or not; None: ``kquant_pairs``."""
     qtype = T(int(qtype))
     if qtype not in GPU_QUANT_TYPES:
         raise ValueError(f"no GPU kernel for {qtype.name}; kernels exist for "
@@ -436,7 +428,7 @@ def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int) 
             qh = b[:, 16:48]
             bits = ((qh.reshape(nb, 1, 32) >> _shift(b, *range(8)).reshape(1, 8, 1)) & 1)   # [nb, 8, 32]
             high = rows(_bits_to_words(bits, 1))
-        if kquant_pairs(qtype, n, k, data.device):
+        if pairs if pairs is not None else kquant_pairs(qtype, n, k, data.device):
             return PackedWeight(qtype, n, k, rows(_pack_nibbles(low)), rows(b[:, 0:4].contiguous().view(torch.float16)),
                                 high=high, sc=rows(torch.stack((sc, mn), dim=-1)))
         return PackedWeight(qtype, n, k, rows(_pack_nibbles(low)), rows(_f16(b, 0)), high=high,
@@ -615,20 +607,46 @@ def _table_config(path: str, n: int, k: int, qtype: GGMLQuantizationType | None)
     """The entry for ``TYPE:n,k`` (else ``n,k``) in a JSON table ``{"Q4_0:n,k":
     "block_n,tile_groups,..."}``, or its ``table`` member (what ``lodestar.bench.gemv_variants``
     prints), or None."""
-    with open(path) as f:
-        table = json.load(f)
-    return _lookup(table.get("table", table), n, k, qtype, any_type=True)
+    return _lookup(table_file(path), n, k, qtype, any_type=True)
 
 
 TUNED_TABLE = Path(__file__).with_name("gemv_tuned.json")
+
+
+def table_file(path: str) -> dict:
+    """The entries of a tiling table file: its ``table`` member (what
+    ``lodestar.bench.gemv_variants`` prints), or the file itself."""
+    with open(path) as f:
+        doc = json.load(f)
+    return doc.get("table", doc)
+
+
+def shipped_table(gpu: str) -> dict:
+    """One GPU model's entries in the shipped table ``gemv_tuned.json`` ({} for a model it lacks)."""
+    return json.loads(TUNED_TABLE.read_text()).get(gpu, {})
+
+
+def table_entry(key: str, device: torch.device | None, gpu: str | None = None) -> str | None:
+    """Entry ``key`` of the tiling table in force: the file env ``LODESTAR_GEMV_TABLE`` names
+    (``table_file``), none with ``off``, else the shipped table for the GPU model ``gpu`` (else
+    ``device``'s; none off the GPU)."""
+    table = os.environ.get("LODESTAR_GEMV_TABLE", "").strip()
+    if table == "off":
+        return None
+    if table:
+        return table_file(table).get(key)
+    if gpu is None:
+        if device is None or device.type != "cuda":
+            return None
+        gpu = torch.cuda.get_device_name(device)
+    return shipped_table(gpu).get(key)
 
 
 def _tuned_config(n: int, k: int, device: torch.device, qtype: GGMLQuantizationType | None) -> GemvConfig | None:
     """The shipped tiling for ``TYPE:n,k`` on this device model (``gemv_tuned.json``), or None."""
     if device.type != "cuda":
         return None
-    tables = json.loads(TUNED_TABLE.read_text())
-    return _lookup(tables.get(torch.cuda.get_device_name(device), {}), n, k, qtype, any_type=False)
+    return _lookup(shipped_table(torch.cuda.get_device_name(device)), n, k, qtype, any_type=False)
 
 
 def default_gemv_config(n: int, k: int, device: torch.device,
@@ -1220,15 +1238,9 @@ def glu_gemv_config(pw: PackedWeight) -> GemvConfig | None:
         cfg = None
     elif env:
         cfg = parse_gemv_config(env)
-    elif table:
-        with open(table) as f:
-            doc = json.load(f)
-        cfg = glu_entry(doc.get("table", doc), pw.n, pw.k, pw.qtype)
-    elif pw.device.type == "cuda":
-        tables = json.loads(TUNED_TABLE.read_text())
-        cfg = glu_entry(tables.get(torch.cuda.get_device_name(pw.device), {}), pw.n, pw.k, pw.qtype)
     else:
-        cfg = None
+        text = table_entry(f"GLU:{T(pw.qtype).name}:{pw.n},{pw.k}", pw.device)
+        cfg = parse_gemv_config(text) if text else None
     if cfg is not None:
         tile = cfg.tile_groups
         while tile > 1 and tile > pw.k // GROUP:
