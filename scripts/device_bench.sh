@@ -109,7 +109,7 @@ stage tests 480 $PY -m pytest -q -p no:cacheprovider -o addopts="" ${workers[@]+
   tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py tests/kernels/test_triton_fused.py \
   tests/kernels/test_triton_decode_fusion.py tests/kernels/test_triton_dense.py \
   tests/kernels/test_triton_dense_fusion.py tests/kernels/test_triton_sampling.py \
-  tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
+  tests/kernels/test_quant_stack.py tests/engine/test_cuda_exactness.py tests/formats/test_safetensors.py
 # Two or more GPUs: tensor parallelism over NCCL (skipped with one GPU).
 stage tptests 150 $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o faulthandler_timeout=100 \
   --junitxml="$OUT/pytest-tp.xml" \
@@ -121,6 +121,7 @@ bench small 30
 bench 8b-f16 70
 bench 8b-q4_0 40
 bench 8b-q4k 40
+bench 8b-q4km 40
 bench prefill 45
 bench sweep 60 --csv "$OUT/sweep.csv" --svg "$OUT/sweep.svg"
 bench fuse 90

@@ -14,6 +14,8 @@ Stages:
   8b-f16  Llama-3.1-8B geometry, F16 (bf16 weights): decode, prefill, aggregate decode at
           batch 1..64 (prompt 128, 256 new)
   8b-q4k  Llama-3.1-8B, Q4_K (Q6_K head): decode, prefill
+  8b-q4km Llama-3.1-8B, Q4_K_M (llama.cpp's mix: attn_v and ffn_down in Q6_K on 16 of the
+          32 layers, Q6_K head; the peer's Q4_K file): decode, prefill
   8b-q4_0 Llama-3.1-8B, Q4_0 (Q8_0 head): decode, prefill
   sweep   Llama-3.1-8B Q4_K decode at context 1k..32k (CSV + SVG); the context is filled
           with zeros rather than prefilled, which changes no byte read per token
@@ -343,6 +345,10 @@ def stage_8b_f16(r: Results) -> None:
 
 def stage_8b_q4k(r: Results) -> None:
     _model_cells(r, "llama-3.1-8b", "Q4_K")
+
+
+def stage_8b_q4km(r: Results) -> None:
+    _model_cells(r, "llama-3.1-8b", "Q4_K_M")
 
 
 def stage_8b_q4_0(r: Results) -> None:
@@ -967,11 +973,28 @@ def stage_gemvform(r: Results) -> None:
         r.cell(f"llama-3.1-8b-{qtype}", cell, 40)
 
 
+def first_divergence(tokens_a: list[int], logprobs_a: list, tokens_b: list[int], logprobs_b: list) -> dict:
+    """Where greedy sequence b leaves sequence a (same prompt): the first differing step
+    (None: none), the logit margin there (top-1 minus top-2 logprob) on each side, and the
+    largest difference of the chosen tokens' logprobs before it."""
+    step = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_b)) if x != y), None)
+    upto = len(tokens_a) if step is None else step
+    out = {"step": step, "max_abs_dlogprob_before": round(max(
+        (abs(logprobs_a[i][0] - logprobs_b[i][0]) for i in range(upto)), default=0.0), 6)}
+    if step is not None:
+        for key, lp in (("margin_a", logprobs_a), ("margin_b", logprobs_b)):
+            top = lp[step][1]
+            out[key] = round(top[0][1] - top[1][1], 6) if top and len(top) > 1 else None
+    return out
+
+
 def stage_ab(r: Results) -> None:
     """Two settings of the environment, one engine each, runs interleaved: decode tok/s of
     one stream (prompt 128, 256 new) and whether greedy tokens agree. ``LODESTAR_AB`` names
     them as ``A|B``, each a space-separated list of VAR=value (default: programmatic
-    dependent launch off | on); ``LODESTAR_AB_CELLS`` lists geometry/type cells."""
+    dependent launch off | on); ``LODESTAR_AB_CELLS`` lists geometry/type cells. Greedy
+    tokens are compared with side 0's, side by side (``same_tokens_as_side_0``; where they
+    differ, ``first_divergence`` gives the step and the logit margins there)."""
     from lodestar.engine.sampling import SamplingParams
     bw = bandwidth_from(r)
     sides = [dict(kv.split("=", 1) for kv in side.split()) for side in
@@ -986,13 +1009,14 @@ def stage_ab(r: Results) -> None:
 
     for geometry, qtype in cells:
         def cell(geometry=geometry, qtype=qtype):
-            engines, toks, runs = [], [], [[] for _ in sides]
+            engines, toks, lps, runs = [], [], [], [[] for _ in sides]
             for side in sides:
                 setenv(side)
                 engine, _, _ = synthetic_engine(geometry, qtype, max_len=1024, kv_tokens=4096)
                 ps = prompts(2, 40, engine.loaded.config.vocab_size)
-                toks.append([c.token_ids for c in engine.generate(ps, SamplingParams(
-                    temperature=0.0, max_tokens=32, ignore_eos=True))])
+                comp = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2))
+                toks.append([c.token_ids for c in comp])
+                lps.append([c.logprobs for c in comp])
                 timed_generate(engine, prompts(1, 128, engine.loaded.config.vocab_size), 16)
                 engines.append(engine)
             p = prompts(1, 128, engines[0].loaded.config.vocab_size)
@@ -1003,7 +1027,10 @@ def stage_ab(r: Results) -> None:
             setenv({})
             read = read_bytes_per_token(engines[0].loaded.model)
             out = {"sides": [" ".join(f"{k}={v}" for k, v in s.items()) for s in sides],
-                   "same_tokens": all(t == toks[0] for t in toks)}
+                   "same_tokens": all(t == toks[0] for t in toks),
+                   "same_tokens_as_side_0": [t == toks[0] for t in toks],
+                   "divergence_from_side_0": [[first_divergence(toks[0][j], lps[0][j], toks[i][j], lps[i][j])
+                                               for j in range(len(toks[0]))] for i in range(len(sides))]}
             for i, side in enumerate(sides):
                 out[f"side_{i}"] = {"decode_tok_s": stat(runs[i])}
                 if bw:
@@ -1493,7 +1520,7 @@ def stage_tp70(r: Results) -> None:
 # ------------------------------------------------------------------------------- main
 
 STAGES = {"env": stage_env, "small": stage_small, "8b-f16": stage_8b_f16, "8b-q4k": stage_8b_q4k,
-          "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
+          "8b-q4km": stage_8b_q4km, "8b-q4_0": stage_8b_q4_0, "gemv": stage_gemv, "profile": stage_profile, "tp": stage_tp,
           "tp70": stage_tp70, "fuse": stage_fuse, "dense": stage_dense,
           "densegemv": stage_densegemv, "overlap": stage_overlap, "prefill": stage_prefill,
           "gemvform": stage_gemvform, "ab": stage_ab, "hostprof": stage_hostprof,

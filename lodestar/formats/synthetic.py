@@ -50,7 +50,8 @@ GEOMETRIES = {
     "llama-70b": Geometry("llama", 8192, 80, 64, 8, 128, 28672, 500000.0, tied=False, context=131072),
     "qwen3-8b": Geometry("qwen3", 4096, 36, 32, 8, 128, 12288, 1000000.0, tied=False, qk_norm=True),
 }
-QTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K")
+# Q4_K_M: llama.cpp's mix of that name (``tensor_kind``), the type most GGUF downloads come in.
+QTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q4_K_M")
 SPEC_PREFIX = "synthetic:"
 SPEC_SEED = 1234
 
@@ -76,10 +77,28 @@ _SCALE_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.
 
 def tensor_types(qtype_name: str) -> tuple[str, str, str]:
     """(layer weights, token embedding, output head) types of a file of ``qtype_name``,
-    as llama.cpp's quantizer picks them."""
+    as llama.cpp's quantizer picks them (Q4_K_M: the layers' main type; some of its layers
+    hold more bits, ``tensor_kind``)."""
     if qtype_name in ("F16", "BF16"):
         return qtype_name, qtype_name, qtype_name
+    if qtype_name == "Q4_K_M":
+        return "Q4_K", "Q4_K", "Q6_K"
     return qtype_name, "Q8_0", "Q6_K" if qtype_name == "Q4_K" else "Q8_0"
+
+
+def more_bits(layer: int, n_layers: int) -> bool:
+    """Layers to which llama.cpp's Q4_K_M / Q5_K_M mixes give attn_v and ffn_down more bits:
+    the first and last eighth, and every third layer between them."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def tensor_kind(qtype_name: str, name: str, layer: int, n_layers: int) -> str:
+    """Type of layer ``layer``'s tensor ``name`` (``attn_q``, ``ffn_down``, ...) in a file of
+    ``qtype_name``: Q4_K_M holds attn_v and ffn_down in Q6_K on ``more_bits`` layers (for
+    a 32-layer model, 16 of them), everything else in Q4_K, as llama.cpp's quantizer does."""
+    if qtype_name == "Q4_K_M":
+        return "Q6_K" if name in ("attn_v", "ffn_down") and more_bits(layer, n_layers) else "Q4_K"
+    return tensor_types(qtype_name)[0]
 
 
 def random_weight(kind: str, rows: int, cols: int, generator: torch.Generator,
@@ -143,7 +162,7 @@ class SyntheticCheckpoint:
         self.geometry, self.qtype_name = g, qtype_name
         name = geometry if isinstance(geometry, str) else g.arch
         device = torch.device(device)
-        layer_kind, emb_kind, out_kind = tensor_types(qtype_name)
+        _, emb_kind, out_kind = tensor_types(qtype_name)
         self.tensors: dict[str, SyntheticTensor] = {}
         layers = g.n_layers if n_layers is None else n_layers
 
@@ -159,17 +178,19 @@ class SyntheticCheckpoint:
         for i in range(layers):
             p = f"blk.{i}."
             ones(p + "attn_norm.weight", g.d_model)
-            add(p + "attn_q.weight", layer_kind, q, g.d_model)
-            add(p + "attn_k.weight", layer_kind, kv, g.d_model)
-            add(p + "attn_v.weight", layer_kind, kv, g.d_model)
-            add(p + "attn_output.weight", layer_kind, g.d_model, q)
+            kind = {t: tensor_kind(qtype_name, t, i, g.n_layers) for t in
+                    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+            add(p + "attn_q.weight", kind["attn_q"], q, g.d_model)
+            add(p + "attn_k.weight", kind["attn_k"], kv, g.d_model)
+            add(p + "attn_v.weight", kind["attn_v"], kv, g.d_model)
+            add(p + "attn_output.weight", kind["attn_output"], g.d_model, q)
             if g.qk_norm:
                 ones(p + "attn_q_norm.weight", g.head_dim)
                 ones(p + "attn_k_norm.weight", g.head_dim)
             ones(p + "ffn_norm.weight", g.d_model)
-            add(p + "ffn_gate.weight", layer_kind, g.ffn_dim, g.d_model)
-            add(p + "ffn_up.weight", layer_kind, g.ffn_dim, g.d_model)
-            add(p + "ffn_down.weight", layer_kind, g.d_model, g.ffn_dim)
+            add(p + "ffn_gate.weight", kind["ffn_gate"], g.ffn_dim, g.d_model)
+            add(p + "ffn_up.weight", kind["ffn_up"], g.ffn_dim, g.d_model)
+            add(p + "ffn_down.weight", kind["ffn_down"], g.d_model, g.ffn_dim)
         ones("output_norm.weight", g.d_model)
         if not g.tied:
             add("output.weight", out_kind, g.vocab, g.d_model)

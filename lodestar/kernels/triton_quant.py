@@ -379,8 +379,9 @@ def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.devi
     o 116.9 us a step against 127.2 and gate|up 581.9 against 587.0, but q|k|v 228.8 against
     200.1 and down 408.3 against 350.1. Run 105: o and gate|up paired 561.2 -> 566.3, with
     o in 16 rows x 128 groups x 8 warps too 567.6 (that tiling split 564.4). Run 107: q|k|v
-    paired as well, in whole rows of 8 x 128 groups x 2 warps (one tile a program, its
-    RMSNorm computed in the same kernel), 567.95 -> 579.2 (that tiling split 553.4); run 108:
+    paired as well, in whole rows of 8 x 128 groups x 2 warps (one tile a program; the RMSNorm
+    before it stays a kernel of its own, ``quant_norm`` being off: on, run 112, 578.2 ->
+    488.6), 567.95 -> 579.2 (that tiling split 553.4); run 108:
     578.7 against 568.3 for the q|k|v before. Down paired lost in every tiling tried (runs
     102-104, 109). The H200 table pairs o, gate|up and q|k|v."""
     if qtype not in (T.Q4_K, T.Q5_K):
@@ -1054,11 +1055,13 @@ class RopeStore:
 
 
 def rope_epilogue_ok(pw: PackedWeight, rows: int, head_dim: int, n_q: int, n_k: int,
-                     config: GemvConfig | None = None) -> bool:
+                     config: GemvConfig | None = None, n_out: int | None = None) -> bool:
     """Whether ``quant_matmul(rope=...)`` can run for ``rows`` tokens over ``pw``: the word-tile
     kernel, tiles of whole rotation pairs (an even ``block_n`` dividing the head dim), a
-    q|k|v weight of ``n_q + 2 * n_k`` rows."""
-    if not 0 < rows <= SMALL_M_MAX or pw.k % GROUP or pw.n != n_q + 2 * n_k or n_q % head_dim or n_k % head_dim:
+    q|k|v output of ``n_q + 2 * n_k`` columns (``n_out``: the stack's whose part ``pw`` is;
+    default ``pw.n``)."""
+    n_out = pw.n if n_out is None else n_out
+    if not 0 < rows <= SMALL_M_MAX or pw.k % GROUP or n_out != n_q + 2 * n_k or n_q % head_dim or n_k % head_dim:
         return False
     cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
     return (cfg.words and pw.qtype in WORDS_CAPABLE and cfg.block_n % 2 == 0 and head_dim % cfg.block_n == 0)
@@ -1119,7 +1122,8 @@ def loads_all_before_wait(pw: PackedWeight, rows: int) -> bool:
 
 def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                  config: GemvConfig | None = None, rope: RopeStore | None = None,
-                 defer_sum: bool = False) -> torch.Tensor | SplitPartials:
+                 defer_sum: bool = False, out: torch.Tensor | None = None,
+                 row0: int = 0) -> torch.Tensor | SplitPartials:
     """``x [M, K] @ W.T`` for M <= SMALL_M_MAX with the Triton matrix-vector kernel; bf16 in, out_dtype out.
 
     ``x`` may come quantized already (``QuantizedRows``), or be a ``triton_dense.PendingNorm``
@@ -1129,7 +1133,13 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     ``rope_epilogue_ok``): the q and k columns of the result come out rotated at each row's
     position and k and v are also stored at each row's slot: the bits of this product, then
     ``triton_fused.rope_`` with the KV store. ``defer_sum`` (fusion ``norm_sum``): a tiling
-    with K splits returns its ``SplitPartials`` unsummed (without ``rope``)."""
+    with K splits returns its ``SplitPartials`` unsummed (without ``rope``).
+
+    ``out`` [M, N] (a stack of projections of one input, ``cuda_linear.CudaQuantStack``):
+    this weight's products are written to its columns ``row0 .. row0 + pw.n`` (the word-tile
+    kernel, ``row0`` a multiple of its ``block_n``; with ``rope``, the q|k|v layout's
+    ``n_q + 2 * n_k`` columns are ``out``'s), and ``out`` is returned; the same bits as the
+    weight's own product."""
     from lodestar.kernels.triton_dense import PendingNorm
     norm = None
     if isinstance(x, PendingNorm):
@@ -1140,6 +1150,8 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     M, K = x.shape
     if K != pw.k:
         raise ValueError(f"x has {K} features, weight expects {pw.k}")
+    if norm is not None and out is not None:
+        raise ValueError("quant_matmul(out=...) takes x quantized or bf16, not a pending norm")
     if norm is not None:
         out_dtype = out_dtype or norm.x.dtype
         words = norm.x      # never read: the kernel quantizes the norm itself
@@ -1162,15 +1174,25 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     per_split = -(-groups // cfg.split_k)
     n_blocks = -(-pw.n // cfg.block_n)
     grid = (M, n_blocks, cfg.split_k)
-    out = torch.empty(M, pw.n, device=device, dtype=out_dtype)
-    part = out if cfg.split_k == 1 else torch.empty(cfg.split_k, M, pw.n, device=device, dtype=torch.float32)
+    if out is None:
+        if row0:
+            raise ValueError("quant_matmul(row0=...) writes into a given out")
+        out = torch.empty(M, pw.n, device=device, dtype=out_dtype)
+    elif (out.dim() != 2 or out.shape[0] != M or not out.is_contiguous() or out.dtype != out_dtype
+          or not 0 <= row0 <= out.shape[1] - pw.n or row0 % cfg.block_n or not cfg.words
+          or pw.qtype not in WORDS_CAPABLE or defer_sum):
+        raise ValueError(f"quant_matmul(out=..., row0={row0}): need a contiguous {out_dtype} [{M}, >= row0 + {pw.n}] "
+                         f"and the word-tile kernel with row0 a multiple of block_n {cfg.block_n} (got "
+                         f"{out.dtype} {list(out.shape)}, {cfg})")
+    n_out = out.shape[1]
+    part = out if cfg.split_k == 1 else torch.empty(cfg.split_k, M, n_out, device=device, dtype=torch.float32)
     defer_sum = defer_sum and cfg.split_k > 1 and rope is None
     fused_sum = cfg.split_k > 1 and "split_sum" in fusions() and not defer_sum
     # sized for SMALL_M_MAX rows at once, so that later calls with more rows reuse it
     counters = _tile_counters(pw, max(M, SMALL_M_MAX) * n_blocks) if fused_sum else d1   # d1: never read
     codes = pw.codes.view(torch.int32)
     if rope is not None:
-        if not rope_epilogue_ok(pw, M, rope.head_dim, rope.n_q, rope.n_k, cfg):
+        if not rope_epilogue_ok(pw, M, rope.head_dim, rope.n_q, rope.n_k, cfg, n_out):
             raise ValueError(f"quant_matmul(rope=...): {pw.qtype.name} [{pw.n}, {pw.k}] with {cfg} cannot rotate "
                              f"heads of {rope.head_dim} (see rope_epilogue_ok)")
         if not fused_sum and cfg.split_k > 1:
@@ -1187,15 +1209,15 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
         launch = pdl()
         if rope is not None and launch["PDL"] is True and qkv_rope_pdl(pw.k) == "wait":
             launch = _PDL_WAIT
-        _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n,
-                                 M * pw.n, *rope_args, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n,
+        _gemv_words_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], row0 + pw.n,
+                                 n_out, M * n_out, *rope_args, K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n,
                                  TG=cfg.tile_groups, GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k,
                                  LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
                                  EVEN=even,
                                  EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
                                  **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), KPAIR=pw.paired,
-                                 PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None,
-                                 **launch)
+                                 PREFETCH=cfg.prefetch, PID0=row0 // cfg.block_n, num_warps=cfg.num_warps,
+                                 maxnreg=cfg.maxnreg or None, **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -1205,7 +1227,11 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
     if defer_sum:
         return SplitPartials(part, out_dtype)
     if cfg.split_k > 1 and not fused_sum:
-        SplitPartials(part, out_dtype).materialize(out)
+        if n_out == pw.n:
+            SplitPartials(part, out_dtype).materialize(out)
+        else:   # a part of a stack: its own columns only
+            cols = slice(row0, row0 + pw.n)
+            out[:, cols] = SplitPartials(part[:, :, cols].contiguous(), out_dtype).materialize()
     return out
 
 
@@ -1610,7 +1636,7 @@ if triton_enabled():
     def _store_rows(y, part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n, stride_om, stride_split,
                     SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr, ROPE: tl.constexpr = False, rc=0, rs=0,
                     slot=0, kc_ptr=0, vc_ptr=0, skc0=0, skc1=0, svc0=0, svc1=0,
-                    NQ: tl.constexpr = 0, NK: tl.constexpr = 0, HD: tl.constexpr = 0):
+                    NQ: tl.constexpr = 0, NK: tl.constexpr = 0, HD: tl.constexpr = 0, PID0: tl.constexpr = 0):
         """Store a program's row sums ``y [BN]``: into ``out`` (one split), else into its split's
         fp32 partials; with LAST_SUMS the last of the tile's SPLIT programs to arrive adds the
         partials in split order into ``out`` and puts the tile's counter back to 0. ROPE: the
@@ -1629,7 +1655,7 @@ if triton_enabled():
                 # Every thread's partial is stored before the counter moves (barrier, then a
                 # release); the last arrival reads the others' partials from L2 after its acquire.
                 tl.debug_barrier()
-                tile = pid_m * tl.num_programs(1) + pid_n
+                tile = pid_m * tl.num_programs(1) + pid_n - PID0
                 arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
                 if arrived == SPLIT - 1:
                     tl.debug_barrier()
@@ -2027,7 +2053,8 @@ if triton_enabled():
                            HD: tl.constexpr, PDL: tl.constexpr, nx_ptr=None, nr_ptr=None, nw_ptr=None,
                            h_ptr=None, eps=0.0, NORM: tl.constexpr = False, NORM_RES: tl.constexpr = False,
                            EVICT: tl.constexpr = "", qw_ptr=None, qd_ptr=None, qs_ptr=None, F=0,
-                           GLU: tl.constexpr = -1, KPAIR: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                           GLU: tl.constexpr = -1, KPAIR: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                           PID0: tl.constexpr = 0):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied). EARLY: the first
         tile's code words are loaded before the wait for the previous kernel (weights only).
@@ -2043,9 +2070,12 @@ if triton_enabled():
         form into ``qw``, ``qd``, ``qs``). KPAIR: Q4_K / Q5_K scales in pairs
         (``PackedWeight.paired``). PREFETCH: the tile loop loads the next tile's code words and
         scales before this tile's math (``GemvConfig.prefetch``; the same products in the same
-        order)."""
+        order). PID0: this weight is a part of a stack whose output rows start at row block PID0
+        (``quant_matmul(out=, row0=)``): program ``pid_n`` computes output rows of block
+        ``pid_n + PID0`` from the weight's rows ``PID0 * BLOCK_N`` lower, and N is the end of its
+        rows in ``out``."""
         pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid_n = tl.program_id(1) + PID0
         pid_s = tl.program_id(2)
         if ROPE:
             offs_n = _rope_rows(pid_n, BLOCK_N, HD)
@@ -2054,7 +2084,7 @@ if triton_enabled():
         else:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        rows = offs_n.to(tl.int64)
+        rows = (offs_n - PID0 * BLOCK_N).to(tl.int64)
         HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
         acc = tl.zeros((BLOCK_N, HG), dtype=tl.float32)
         g_start = pid_s * GROUPS_PER_SPLIT
@@ -2129,7 +2159,7 @@ if triton_enabled():
         else:
             _store_rows(tl.sum(acc, axis=1), part_ptr, out_ptr, count_ptr, pid_m, pid_n, pid_s, offs_n, mask_n,
                         stride_om, stride_split, SPLIT, LAST_SUMS, ROPE, rc, rs, slot, kc_ptr, vc_ptr, skc0, skc1,
-                        svc0, svc1, NQ, NK, HD)
+                        svc0, svc1, NQ, NK, HD, PID0)
 
     @triton.jit
     def _glu_rows(pid_n, BLOCK_N: tl.constexpr, F):

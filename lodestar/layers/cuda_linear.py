@@ -20,6 +20,11 @@ F16, BF16, F32                      ``CudaDenseLinear`` over a bf16 copy (one bf
 Q5_0, Q5_1, Q2_K, Q3_K              ``CudaDenseLinear`` dequantized to bf16 at load
 ==================================  ===============================================
 
+Projections of one input packed in several types (q|k|v of a llama.cpp Q4_K_M file, whose
+attn_v is Q6_K in half the layers) form one ``CudaQuantStack``: neighbours of one type
+fused, the input quantized once, and each part's kernel writing its columns of one output
+(and, with ``qkv_rope``, rotating and storing its own rows).
+
 Modes ``bf16`` / ``fp32`` dequantize every weight at load (dense cuBLAS matmuls).
 Embedding tables are dense (bf16 or fp32) so a lookup is a plain gather; a tied head in
 ``packed`` mode is a ``CudaQuantLinear`` over the same GGUF bytes, since the head is read
@@ -133,9 +138,97 @@ class CudaQuantLinear(nn.Module):
         return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, cuda"
 
 
+class CudaQuantStack(nn.Module):
+    """Packed projections of one input, of different weight types, as one projection whose
+    output holds theirs side by side (``parts``, in order). Up to 64 rows quantize x once
+    (or take it quantized: ``QuantizedRows``) and each part's kernel writes its columns of one
+    output (``triton_quant.quant_matmul(out=, row0=)``); more rows, or a part whose tiling
+    cannot write at its offset, run the parts apart and concatenate. The same bits as the
+    parts apart either way."""
+
+    def __init__(self, parts: list[CudaQuantLinear]) -> None:
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or not all(isinstance(p, CudaQuantLinear) for p in parts):
+            raise ValueError("a stack takes packed projections of one input width")
+        from lodestar.kernels import triton_quant as tq
+        self._tq = tq
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.row0s = [sum(p.out_features for p in parts[:i]) for i in range(len(parts))]
+        self.out_features = sum(p.out_features for p in parts)
+        self.out_dtype: torch.dtype | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def _writes_in_place(self, rows: int) -> bool:
+        """Each part's kernel can write its columns of one output for ``rows`` rows."""
+        tq = self._tq
+        if not 0 < rows <= tq.SMALL_M_MAX or self.in_features % tq.GROUP:
+            return False
+        for p, r0 in zip(self.parts, self.row0s):
+            cfg = tq.gemv_config(p.weight.n, p.weight.k, p.weight.device, p.weight.qtype)
+            if not (cfg.words and p.weight.qtype in tq.WORDS_CAPABLE and r0 % cfg.block_n == 0):
+                return False
+        return True
+
+    def _quantized(self, x):
+        """``x`` as ``QuantizedRows`` when the parts can write in place, else None."""
+        tq = self._tq
+        if isinstance(x, _td.PendingNorm):
+            x = x.materialize()
+        if isinstance(x, tq.QuantizedRows):
+            return x if self._writes_in_place(x.shape[0]) else None
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or not self._writes_in_place(x.shape[0]):
+            return None
+        return tq.QuantizedRows(x, *tq.quantize_x(x.contiguous()))
+
+    def forward(self, x) -> torch.Tensor:
+        """As ``CudaQuantLinear.forward``: a tensor [..., in_features], ``QuantizedRows`` or a
+        ``triton_dense.PendingNorm``."""
+        xq = self._quantized(x)
+        if xq is None:
+            if isinstance(x, _td.PendingNorm):
+                x = x.materialize()
+            return torch.cat([p(x) for p in self.parts], dim=-1)
+        out = torch.empty(xq.shape[0], self.out_features, device=xq.x.device, dtype=self.out_dtype or xq.x.dtype)
+        for p, r0 in zip(self.parts, self.row0s):
+            self._tq.quant_matmul(xq, p.weight, out.dtype, out=out, row0=r0)
+        return out
+
+    def rope_store(self, x, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_k: int, head_dim: int):
+        """``CudaQuantLinear.rope_store`` for a q|k|v stack: a ``triton_quant.RopeStore`` when
+        every part's kernel can rotate and store its rows, else None."""
+        tq = self._tq
+        dtype = x.x.dtype if isinstance(x, tq.QuantizedRows) else x.dtype
+        if ("qkv_rope" not in tq.fusions() or len(x.shape) != 2 or k_cache.dtype != dtype
+                or v_cache.dtype != dtype or self.out_dtype not in (None, dtype)
+                or not self._writes_in_place(x.shape[0])
+                or not all(tq.rope_epilogue_ok(p.weight, x.shape[0], head_dim, n_q, n_k, n_out=self.out_features)
+                           for p in self.parts)):
+            return None
+        return tq.RopeStore(positions, slots, cos, sin, k_cache, v_cache, n_q, n_k, head_dim)
+
+    def forward_rope(self, x, rope) -> torch.Tensor:
+        """``forward`` whose kernels also rotate q and k and store k and v (``rope``, from
+        ``rope_store``); the whole q|k|v output [rows, out_features]."""
+        xq = self._quantized(x)
+        if xq is None:
+            raise ValueError("CudaQuantStack.forward_rope: rows the parts cannot write in place (see rope_store)")
+        out = torch.empty(xq.shape[0], self.out_features, device=xq.x.device, dtype=xq.x.dtype)
+        for p, r0 in zip(self.parts, self.row0s):
+            self._tq.quant_matmul(xq, p.weight, out.dtype, out=out, row0=r0, rope=rope)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, cuda"
+
+
 def takes_quantized_input(module: object) -> bool:
     """Whether ``module`` accepts ``QuantizedRows`` (a fused producer may quantize for it)."""
-    return isinstance(module, CudaQuantLinear)
+    return isinstance(module, (CudaQuantLinear, CudaQuantStack))
 
 
 def takes_pending_input(module: object, x: torch.Tensor) -> bool:
@@ -205,6 +298,8 @@ def launch_early(site: str, module: object = None, rows: int = 0) -> bool:
     env = os.environ.get("LODESTAR_PDL_EARLY", "").strip()
     if not env:
         from lodestar.kernels.triton_quant import loads_all_before_wait
+        if isinstance(module, CudaQuantStack):     # its first part's kernel follows the small one
+            module = module.parts[0]
         return isinstance(module, CudaQuantLinear) and loads_all_before_wait(module.weight, rows)
     sites = frozenset(s.strip() for s in env.split(",") if s.strip())
     if not sites <= set(PREFETCH_SITES) | {"none"}:
@@ -227,7 +322,7 @@ def fork_side_prefetch(module: object, rows: int) -> bool:
     from lodestar.kernels.triton_quant import SMALL_M_MAX, side_prefetch, side_prefetch_limit, weight_prefetch_limit
     mods = list(module) if isinstance(module, (list, nn.ModuleList)) else [module]
     limit = side_prefetch_limit()
-    if limit <= 0 or rows > SMALL_M_MAX or not all(isinstance(m, CudaQuantLinear) for m in mods):
+    if limit <= 0 or rows > SMALL_M_MAX or not all(isinstance(m, (CudaQuantLinear, CudaQuantStack)) for m in mods):
         return False
     arrays = prefetch_arrays(module)
     if not arrays or sum(a.numel() * a.element_size() for a in arrays) <= weight_prefetch_limit():
@@ -264,6 +359,8 @@ def prefetch_arrays(module: object, site: str | None = None) -> list[torch.Tenso
     if isinstance(module, CudaQuantLinear):
         w = module.weight
         return [t for t in (w.codes, w.d, w.high, w.dmin, w.sc, w.m) if t is not None]
+    if isinstance(module, CudaQuantStack):
+        return prefetch_arrays(module.parts)
     if isinstance(module, CudaDenseLinear):
         return [module.weight]
     return None
@@ -367,11 +464,16 @@ class CudaEmbedding(nn.Module):
         self._data = None
 
 
+def packs(qtype: GGMLQuantizationType | int, mode: str) -> bool:
+    """Whether ``make_linear`` keeps a weight of ``qtype`` packed (a ``CudaQuantLinear``)."""
+    return mode == "packed" and T(int(qtype)) in _gpu_types()
+
+
 def make_linear(qtype: GGMLQuantizationType | int, data: torch.Tensor, in_features: int, out_features: int,
                 mode: str, device: torch.device) -> nn.Module:
     """A linear layer over GGUF bytes on a CUDA device (see the module table)."""
     qtype = T(int(qtype))
-    if mode == "packed" and qtype in _gpu_types():
+    if packs(qtype, mode):
         return CudaQuantLinear(qtype, data, in_features, out_features, device)
     return CudaDenseLinear(dense_weight(qtype, data, out_features, in_features, compute_dtype(mode), device))
 

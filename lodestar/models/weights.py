@@ -1,6 +1,7 @@
 """Turn checkpoint tensors into modules: packed quantized, or dequantized at load."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -98,13 +99,39 @@ class WeightLoader:
         """Several projections of the same input: one fused module if allowed, else a list."""
         row_orders = list(row_orders or [None] * len(names))
         ts = [self.tensor(n) for n in names]
-        same = len({t.qtype for t in ts}) == 1 and len({t.shape[1] for t in ts}) == 1
-        if not (self.fuse and same):
+        same_k = len({t.shape[1] for t in ts}) == 1
+        if self.cuda and self.fuse and same_k and len({t.qtype for t in ts}) > 1:
+            stack = self._stack(ts, row_orders)
+            if stack is not None:
+                return stack
+        if not (self.fuse and same_k and len({t.qtype for t in ts}) == 1):
             return [self.linear(n, r) for n, r in zip(names, row_orders)]
+        return self._fused(ts, row_orders)
+
+    def _fused(self, ts: list, row_orders: Sequence[torch.Tensor | None]) -> nn.Module:
+        """One module over tensors of one type, their rows one after another."""
         parts = [t.data if r is None else t.data[r] for t, r in zip(ts, row_orders)]
         data = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=0)
-        out_features = data.shape[0]
-        return self._make_linear(ts[0].qtype, data, ts[0].shape[1], out_features)
+        return self._make_linear(ts[0].qtype, data, ts[0].shape[1], data.shape[0])
+
+    def _stack(self, ts: list, row_orders: Sequence[torch.Tensor | None]) -> nn.Module | None:
+        """Projections of one input in several types (llama.cpp's Q4_K_M holds some layers'
+        attn_v in Q6_K beside q and k in Q4_K) as one ``cuda_linear.CudaQuantStack`` on the
+        GPU: neighbours of one type fused, every part packed. None (separate projections)
+        where a part would not be packed (dense weights, types without a GPU kernel), or with
+        env ``LODESTAR_STACK=0``."""
+        from lodestar.layers import cuda_linear
+        if os.environ.get("LODESTAR_STACK", "").strip() == "0" or not all(cuda_linear.packs(t.qtype, self.mode)
+                                                                         for t in ts):
+            return None
+        runs: list[list[int]] = []
+        for i, t in enumerate(ts):
+            if runs and ts[runs[-1][0]].qtype == t.qtype:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return cuda_linear.CudaQuantStack([self._fused([ts[i] for i in run], [row_orders[i] for i in run])
+                                           for run in runs])
 
     def embedding(self, name: str) -> nn.Module:
         t = self.tensor(name)

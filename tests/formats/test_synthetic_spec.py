@@ -31,3 +31,22 @@ def test_open_checkpoint_makes_the_geometry_with_a_tokenizer():
     again = SyntheticCheckpoint.from_spec("synthetic:llama-70b:BF16")
     assert again.fingerprint == ck.fingerprint and len(ck.fingerprint) == 64
     assert SyntheticCheckpoint.from_spec("synthetic:llama-70b:Q4_0").fingerprint != ck.fingerprint
+
+
+def test_q4_k_m_mixes_types_as_llama_cpp_does():
+    """Q4_K_M: attn_v and ffn_down in Q6_K on the first and last eighth of the layers and every
+    third between them, the head in Q6_K, everything else (embedding too) in Q4_K; an 8B file
+    then holds llama.cpp's Q4_K_M size for this vocabulary (4.47 GB)."""
+    from lodestar.formats.synthetic import more_bits
+    assert parse_spec("synthetic:llama-3.1-8b:q4_k_m") == ("llama-3.1-8b", "Q4_K_M")
+    assert [i for i in range(32) if more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    ck = SyntheticCheckpoint("llama-3.1-8b", "Q4_K_M")
+    types = {name: t.qtype.name for name, t in ck.tensors.items() if t.qtype.name != "F32"}
+    assert types["token_embd.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
+    for i in range(32):
+        more = "Q6_K" if more_bits(i, 32) else "Q4_K"
+        assert types[f"blk.{i}.attn_v.weight"] == types[f"blk.{i}.ffn_down.weight"] == more
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{i}.{name}.weight"] == "Q4_K"
+    assert 4.45e9 < ck.weight_bytes < 4.48e9
+    assert SyntheticCheckpoint("llama-3.1-8b", "Q4_K").weight_bytes < 4.31e9

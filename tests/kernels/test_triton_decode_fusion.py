@@ -313,9 +313,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
 
 
-def _attention_step(kind: str, dev: str):
-    """One attention layer of a tiny Q8_0 geometry with its CUDA layers (q|k|v and o
-    ``CudaQuantLinear``) and a GPU decode step of three rows (one of them many partitions
+def _attention_step(kind: str, dev: str, qtype: str = "Q8_0"):
+    """One attention layer of a tiny ``qtype`` geometry (Q8_0: q|k|v and o ``CudaQuantLinear``)
+    with its CUDA layers and a GPU decode step of three rows (one of them many partitions
     long) over a scattered bf16 KV pool. ``llama``: GQA 4, D 64; ``gemma3``: Gemma 3's form
     (offset q/k norms, sliding window, query_pre_attn_scalar scale), one kv head, D 256. On
     the CPU the layers are built and run as on a GPU (interpreter)."""
@@ -334,13 +334,13 @@ def _attention_step(kind: str, dev: str):
     else:
         geo = Geometry("qwen3", 256, 1, 4, 1, 256, 64, 10000.0, tied=True, qk_norm=True, vocab=64, context=1024)
         extra = dict(norm_cls=OffsetRMSNorm, sliding_window=100, scale=256 ** -0.5)
-    ck = SyntheticCheckpoint(geo, "Q8_0", device=dev)
+    ck = SyntheticCheckpoint(geo, qtype, device=dev)
     w = WeightLoader(ck, "packed", device=dev)
     w.cuda = True
     a = llama.LlamaArgs.from_config(ck.config)
     rope = RotaryEmbedding(a.rope_dim, a.rope_theta, 1024).to(dev)
     attn = llama.LlamaAttention(a, w, 0, rope, **extra).to(dev)     # q/k norm weights too
-    assert isinstance(attn.qkv, CudaQuantLinear) and isinstance(attn.o, CudaQuantLinear)
+    assert isinstance(attn.o, CudaQuantLinear) and (qtype != "Q8_0" or isinstance(attn.qkv, CudaQuantLinear))
     width = -(-max(lens) // BS) + 2
     blocks = len(lens) * width
     tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).reshape(len(lens), width)
