@@ -768,6 +768,9 @@ def stage_profile(r: Results) -> None:
 
 # ------------------------------------------------------------ decode chain, kernel by kernel
 
+PLACES_AFTER_LAYERS = 2     # calls of a per-layer kernel after the last layer (the head)
+
+
 def chain_trace(events: list[tuple], replays: int, layers: int = 0) -> dict:
     """Where a replayed decode step's time goes, from the device kernels of ``replays`` graph
     replays as (key, start ns, end ns[, stream]) in launch order: each kernel's *advance* is
@@ -779,9 +782,11 @@ def chain_trace(events: list[tuple], replays: int, layers: int = 0) -> dict:
     nothing (``side_stream``). Per key: calls and advance per step, mean duration (start to
     end, which includes the time a dependently launched kernel's blocks sat waiting) and
     mean advance per call; sorted by advance per step. With ``layers``, a key called ``m *
-    layers + r`` times a step (m >= 2) is told apart by its place in the layer: ``key #i``
-    is its i-th call of each layer (a layer's q|k|v, o, gate|up and down projections share
-    one kernel), ``key #+`` the r calls after the last layer."""
+    layers + r`` times a step (m >= 2, r <= ``PLACES_AFTER_LAYERS``) is told apart by its
+    place in the layer: ``key #i`` is its i-th call of each layer (a layer's q|k|v, o, gate|up
+    and down projections share one kernel), ``key #+`` the r calls after the last layer. A
+    key called more often than that (layers of different forms: a Q4_K_M file's q|k|v is
+    two kernels in half its layers) is left whole."""
     events = [(e[0], e[1], e[2], e[3] if len(e) > 3 else None) for e in events]
     per_key: dict[str, list] = {}
     spans = []
@@ -804,7 +809,7 @@ def chain_trace(events: list[tuple], replays: int, layers: int = 0) -> dict:
             for key, start, end, stream in step:
                 i, m = seen.get(key, 0), count[key] // layers
                 seen[key] = i + 1
-                if m >= 2:
+                if m >= 2 and count[key] - m * layers <= PLACES_AFTER_LAYERS:
                     key = f"{key} #{i % m}" if i < m * layers else f"{key} #+"
                 labelled.append((key, start, end, stream))
             step = labelled

@@ -68,3 +68,15 @@ def test_stream_rates_of_the_projections_and_the_head():
     assert kernels["_gemv_words_kernel #3"]["stream_tb_s"] == 3.0
     assert kernels["_gemv_words_kernel #+"]["stream_tb_s"] == 4.0
     assert "stream_tb_s" not in kernels["_rms_norm_kernel #0"] and "stream_tb_s" not in kernels["_dense_gemv_kernel"]
+
+
+def test_a_kernel_called_unevenly_across_layers_is_left_whole():
+    # four layers of (p, n, p), two of them with an extra p, and a final p: places would mix
+    step, t = [], 0
+    for layer in range(4):
+        for key in ("p", "n", "p") + (("p",) if layer in (1, 2) else ()):
+            step.append((key, t, t + 1_000))
+            t += 1_000
+    step.append(("p", t, t + 1_000))
+    out = chain_trace(step, replays=1, layers=4)["kernels"]
+    assert set(out) == {"p", "n"} and out["p"]["calls_per_step"] == 11
