@@ -122,9 +122,7 @@ class CudaQuantLinear(nn.Module):
         q|k|v projection of ``n_q + 2 * n_k`` rows, heads of ``head_dim``, in the caches' dtype),
         or None when the kernel cannot (fusion ``qkv_rope`` off, another tiling, too many rows)."""
         tq = self._tq
-        dtype = x.x.dtype if isinstance(x, tq.QuantizedRows) else x.dtype
-        if ("qkv_rope" not in tq.fusions() or len(x.shape) != 2 or k_cache.dtype != dtype
-                or v_cache.dtype != dtype or self.out_dtype not in (None, dtype)
+        if (not _rope_inputs_ok(x, k_cache, v_cache, self.out_dtype)
                 or not tq.rope_epilogue_ok(self.weight, x.shape[0], head_dim, n_q, n_k)):
             return None
         return tq.RopeStore(positions, slots, cos, sin, k_cache, v_cache, n_q, n_k, head_dim)
@@ -136,6 +134,15 @@ class CudaQuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, cuda"
+
+
+def _rope_inputs_ok(x, k_cache: torch.Tensor, v_cache: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
+    """The fusion ``qkv_rope`` is on and rows ``x`` (a tensor or ``QuantizedRows``) can feed a
+    q|k|v kernel that stores into these caches: 2-D, in the caches' dtype, as the output."""
+    from lodestar.kernels import triton_quant as tq
+    dtype = x.x.dtype if isinstance(x, tq.QuantizedRows) else x.dtype
+    return ("qkv_rope" in tq.fusions() and len(x.shape) == 2 and k_cache.dtype == dtype
+            and v_cache.dtype == dtype and out_dtype in (None, dtype))
 
 
 class CudaQuantStack(nn.Module):
@@ -192,20 +199,14 @@ class CudaQuantStack(nn.Module):
             if isinstance(x, _td.PendingNorm):
                 x = x.materialize()
             return torch.cat([p(x) for p in self.parts], dim=-1)
-        out = torch.empty(xq.shape[0], self.out_features, device=xq.x.device, dtype=self.out_dtype or xq.x.dtype)
-        for p, r0 in zip(self.parts, self.row0s):
-            self._tq.quant_matmul(xq, p.weight, out.dtype, out=out, row0=r0)
-        return out
+        return self._run(xq)
 
     def rope_store(self, x, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_k: int, head_dim: int):
         """``CudaQuantLinear.rope_store`` for a q|k|v stack: a ``triton_quant.RopeStore`` when
         every part's kernel can rotate and store its rows, else None."""
         tq = self._tq
-        dtype = x.x.dtype if isinstance(x, tq.QuantizedRows) else x.dtype
-        if ("qkv_rope" not in tq.fusions() or len(x.shape) != 2 or k_cache.dtype != dtype
-                or v_cache.dtype != dtype or self.out_dtype not in (None, dtype)
-                or not self._writes_in_place(x.shape[0])
+        if (not _rope_inputs_ok(x, k_cache, v_cache, self.out_dtype) or not self._writes_in_place(x.shape[0])
                 or not all(tq.rope_epilogue_ok(p.weight, x.shape[0], head_dim, n_q, n_k, n_out=self.out_features)
                            for p in self.parts)):
             return None
@@ -217,7 +218,11 @@ class CudaQuantStack(nn.Module):
         xq = self._quantized(x)
         if xq is None:
             raise ValueError("CudaQuantStack.forward_rope: rows the parts cannot write in place (see rope_store)")
-        out = torch.empty(xq.shape[0], self.out_features, device=xq.x.device, dtype=xq.x.dtype)
+        return self._run(xq, rope)
+
+    def _run(self, xq, rope=None) -> torch.Tensor:
+        """Each part's kernel over ``QuantizedRows`` writing its columns of one output."""
+        out = torch.empty(xq.shape[0], self.out_features, device=xq.x.device, dtype=self.out_dtype or xq.x.dtype)
         for p, r0 in zip(self.parts, self.row0s):
             self._tq.quant_matmul(xq, p.weight, out.dtype, out=out, row0=r0, rope=rope)
         return out
