@@ -50,8 +50,10 @@ GEOMETRIES = {
     "llama-70b": Geometry("llama", 8192, 80, 64, 8, 128, 28672, 500000.0, tied=False, context=131072),
     "qwen3-8b": Geometry("qwen3", 4096, 36, 32, 8, 128, 12288, 1000000.0, tied=False, qk_norm=True),
 }
-# Q4_K_M: llama.cpp's mix of that name (``tensor_kind``), the type most GGUF downloads come in.
-QTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q4_K_M")
+# Q4_K_M, Q5_K_M: llama.cpp's mixes of those names (``tensor_kind``), the types most GGUF
+# downloads come in.
+QTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q4_K_M", "Q5_K_M")
+K_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}      # mix -> its main type
 SPEC_PREFIX = "synthetic:"
 SPEC_SEED = 1234
 
@@ -77,12 +79,12 @@ _SCALE_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.
 
 def tensor_types(qtype_name: str) -> tuple[str, str, str]:
     """(layer weights, token embedding, output head) types of a file of ``qtype_name``,
-    as llama.cpp's quantizer picks them (Q4_K_M: the layers' main type; some of its layers
-    hold more bits, ``tensor_kind``)."""
+    as llama.cpp's quantizer picks them (Q4_K_M, Q5_K_M: the layers' main type; some of
+    their layers hold more bits, ``tensor_kind``)."""
     if qtype_name in ("F16", "BF16"):
         return qtype_name, qtype_name, qtype_name
-    if qtype_name == "Q4_K_M":
-        return "Q4_K", "Q4_K", "Q6_K"
+    if qtype_name in K_MIXES:
+        return K_MIXES[qtype_name], K_MIXES[qtype_name], "Q6_K"
     return qtype_name, "Q8_0", "Q6_K" if qtype_name == "Q4_K" else "Q8_0"
 
 
@@ -94,10 +96,11 @@ def more_bits(layer: int, n_layers: int) -> bool:
 
 def tensor_kind(qtype_name: str, name: str, layer: int, n_layers: int) -> str:
     """Type of layer ``layer``'s tensor ``name`` (``attn_q``, ``ffn_down``, ...) in a file of
-    ``qtype_name``: Q4_K_M holds attn_v and ffn_down in Q6_K on ``more_bits`` layers (for
-    a 32-layer model, 16 of them), everything else in Q4_K, as llama.cpp's quantizer does."""
-    if qtype_name == "Q4_K_M":
-        return "Q6_K" if name in ("attn_v", "ffn_down") and more_bits(layer, n_layers) else "Q4_K"
+    ``qtype_name``: Q4_K_M (Q5_K_M) holds attn_v and ffn_down in Q6_K on ``more_bits`` layers
+    (for a 32-layer model, 16 of them), everything else in Q4_K (Q5_K), as llama.cpp's
+    quantizer does."""
+    if qtype_name in K_MIXES:
+        return "Q6_K" if name in ("attn_v", "ffn_down") and more_bits(layer, n_layers) else K_MIXES[qtype_name]
     return tensor_types(qtype_name)[0]
 
 

@@ -50,3 +50,13 @@ def test_q4_k_m_mixes_types_as_llama_cpp_does():
             assert types[f"blk.{i}.{name}.weight"] == "Q4_K"
     assert 4.45e9 < ck.weight_bytes < 4.48e9
     assert SyntheticCheckpoint("llama-3.1-8b", "Q4_K").weight_bytes < 4.31e9
+
+
+def test_q5_k_m_is_the_same_mix_around_q5_k():
+    from lodestar.formats.synthetic import more_bits
+    ck = SyntheticCheckpoint("llama-3.1-8b", "Q5_K_M")
+    types = {name: t.qtype.name for name, t in ck.tensors.items()}
+    assert types["token_embd.weight"] == "Q5_K" and types["output.weight"] == "Q6_K"
+    for i in range(32):
+        assert types[f"blk.{i}.ffn_down.weight"] == ("Q6_K" if more_bits(i, 32) else "Q5_K")
+        assert types[f"blk.{i}.attn_q.weight"] == types[f"blk.{i}.ffn_up.weight"] == "Q5_K"
