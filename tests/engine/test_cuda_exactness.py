@@ -87,21 +87,26 @@ def gpu_engine():
 
 
 def _decode(engine, prompts: list[list[int]], steps: int, graphs: bool, together: bool) -> list[list[int]]:
-    """Prefill each prompt alone, then greedy-decode ``steps`` tokens (all rows at once or one by one)."""
+    """Prefill each prompt alone, then greedy-decode ``steps`` tokens (all rows at once or one by
+    one); the runner's CUDA-graph setting is put back after (the engine is shared by the module's
+    tests, in whatever order a test process runs them)."""
     from lodestar.engine.sequence import Sequence
     runner = engine.runner
-    runner.cuda_graphs = graphs
-    seqs = [Sequence(1000 + i, list(p), None) for i, p in enumerate(prompts)]
-    for s in seqs:
-        s.output_ids.append(int(runner.run([s], [len(s.prompt_ids)])[0].argmax()))
-    groups = [seqs] if together else [[s] for s in seqs]
-    for group in groups:
-        for _ in range(steps):
-            logits = runner.run(group, [1] * len(group))
-            for s, row in zip(group, logits):
-                s.output_ids.append(int(row.argmax()))
-    for s in seqs:
-        engine.pool.free(s.block_table)
+    saved, runner.cuda_graphs = runner.cuda_graphs, graphs
+    try:
+        seqs = [Sequence(1000 + i, list(p), None) for i, p in enumerate(prompts)]
+        for s in seqs:
+            s.output_ids.append(int(runner.run([s], [len(s.prompt_ids)])[0].argmax()))
+        groups = [seqs] if together else [[s] for s in seqs]
+        for group in groups:
+            for _ in range(steps):
+                logits = runner.run(group, [1] * len(group))
+                for s, row in zip(group, logits):
+                    s.output_ids.append(int(row.argmax()))
+        for s in seqs:
+            engine.pool.free(s.block_table)
+    finally:
+        runner.cuda_graphs = saved
     return [s.output_ids for s in seqs]
 
 
@@ -187,7 +192,8 @@ def test_prefill_graphs_match_eager_prefill(gpu_engine):
     g = torch.Generator().manual_seed(5)
     layer = gpu_engine.loaded.model.attention_layers[0]
     bs = gpu_engine.pool.block_size
-    saved = runner.prefill_graphs
+    saved = runner.prefill_graphs, runner.cuda_graphs
+    runner.cuda_graphs = True       # prefill graphs replay only with CUDA graphs on
     try:
         for n in (50, 100, 61):
             prompt = torch.randint(10, vocab, (n,), generator=g).tolist()
@@ -214,5 +220,5 @@ def test_prefill_graphs_match_eager_prefill(gpu_engine):
             torch.testing.assert_close(ka, kb, rtol=2e-2, atol=2e-2 * float(ka.abs().max()))
         assert {64, 128} <= set(runner.prefill_buckets)     # earlier tests may have captured others
     finally:
-        runner.prefill_graphs = saved
+        runner.prefill_graphs, runner.cuda_graphs = saved
     assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
