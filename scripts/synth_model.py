@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-from lodestar.formats.synthetic import GEOMETRIES, QTYPES, Geometry  # noqa: E402
+from lodestar.formats.synthetic import GEOMETRIES, QTYPES, Geometry, holds_blocks, row_widths  # noqa: E402
 
 
 def _random_blocks(rng: np.random.Generator, qtype, rows: int, cols: int) -> np.ndarray:
@@ -212,8 +212,11 @@ def main() -> None:
     ap.add_argument("--format", choices=["gguf", "safetensors"], default="gguf")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    a.out.mkdir(parents=True, exist_ok=True)
     g = GEOMETRIES[a.geometry]
+    if not holds_blocks(g, a.qtype):
+        ap.error(f"{a.geometry}'s rows ({', '.join(map(str, row_widths(g)))} weights) do not hold whole {a.qtype} "
+                 f"blocks; for this geometry use one of {', '.join(t for t in QTYPES if holds_blocks(g, t))}")
+    a.out.mkdir(parents=True, exist_ok=True)
     if a.format == "gguf":
         print(write_gguf(g, a.geometry, a.qtype, a.out))
     else:

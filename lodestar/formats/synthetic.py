@@ -70,7 +70,26 @@ def parse_spec(spec) -> tuple[str, str] | None:
         from lodestar.formats.catalog import ModelNotFoundError
         raise ModelNotFoundError(f"--model {text!r}: expected synthetic:<geometry>[:<type>] with geometry one of "
                          f"{', '.join(GEOMETRIES)} and type one of {', '.join(QTYPES)}")
+    if not holds_blocks(GEOMETRIES[geometry], qtype):
+        from lodestar.formats.catalog import ModelNotFoundError
+        fits = [t for t in QTYPES if holds_blocks(GEOMETRIES[geometry], t)]
+        raise ModelNotFoundError(f"--model {text!r}: {geometry}'s rows ({', '.join(map(str, row_widths(GEOMETRIES[geometry])))} "
+                                 f"weights) do not hold whole {qtype} blocks; for this geometry use one of {', '.join(fits)}")
     return geometry, qtype
+
+
+def row_widths(g: Geometry) -> list[int]:
+    """The row lengths (input widths) of a geometry's projections."""
+    return sorted({g.d_model, g.n_heads * g.head_dim, g.ffn_dim})
+
+
+def holds_blocks(g: Geometry, qtype_name: str) -> bool:
+    """Every projection row of ``g`` is a whole number of blocks of each type a ``qtype_name``
+    file holds (K-quants: 256 weights a block)."""
+    kinds = {tensor_kind(qtype_name, name, i, g.n_layers) for name in ("attn_v", "attn_q") for i in range(g.n_layers)}
+    kinds |= set(tensor_types(qtype_name))
+    blocks = [1 if k in ("F16", "BF16", "F32") else GGML_QUANT_SIZES[T[k]][0] for k in kinds]
+    return all(w % b == 0 for w in row_widths(g) for b in blocks)
 
 # fp16 scale fields per type (byte offset in the block): small, finite values.
 _SCALE_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),

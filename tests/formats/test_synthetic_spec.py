@@ -11,7 +11,7 @@ from lodestar.formats.synthetic import GEOMETRIES, SyntheticCheckpoint, parse_sp
 def test_parse_spec():
     assert parse_spec("synthetic:llama-3.1-8b") == ("llama-3.1-8b", "BF16")
     assert parse_spec("synthetic:llama-70b:bf16") == ("llama-70b", "BF16")
-    assert parse_spec("synthetic:smollm2-135m:Q4_K") == ("smollm2-135m", "Q4_K")
+    assert parse_spec("synthetic:llama-3.1-8b:Q4_K") == ("llama-3.1-8b", "Q4_K")
     assert parse_spec("model.gguf") is None and parse_spec(None) is None
     for bad in ("synthetic:llama-9b", "synthetic:llama-3.1-8b:Q3_K", "synthetic:llama-3.1-8b:BF16:x"):
         with pytest.raises(ModelNotFoundError, match="expected synthetic:<geometry>"):
@@ -60,3 +60,12 @@ def test_q5_k_m_is_the_same_mix_around_q5_k():
     for i in range(32):
         assert types[f"blk.{i}.ffn_down.weight"] == ("Q6_K" if more_bits(i, 32) else "Q5_K")
         assert types[f"blk.{i}.attn_q.weight"] == types[f"blk.{i}.ffn_up.weight"] == "Q5_K"
+
+
+def test_a_geometry_whose_rows_do_not_hold_the_type_s_blocks_is_refused_with_the_types_that_fit():
+    with pytest.raises(ModelNotFoundError, match=r"576.*Q4_K blocks.*F16, BF16, Q8_0, Q4_0$"):
+        parse_spec("synthetic:smollm2-135m:Q4_K")
+    with pytest.raises(ModelNotFoundError, match="Q5_K_M blocks"):
+        parse_spec("synthetic:smollm2-135m:Q5_K_M")
+    assert parse_spec("synthetic:smollm2-135m:Q4_0") == ("smollm2-135m", "Q4_0")
+    assert parse_spec("synthetic:llama-3.2-1b:Q4_K_M") == ("llama-3.2-1b", "Q4_K_M")
