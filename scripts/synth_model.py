@@ -56,45 +56,24 @@ def _float_weight(rng, qtype_name: str, rows: int, cols: int) -> np.ndarray:
 
 
 def tensors(g: Geometry, qtype_name: str, seed: int = 0):
-    """(name, array, raw qtype) for every tensor; arrays are shared between layers of a type."""
+    """(name, array, raw qtype) for every tensor of ``formats.synthetic.SyntheticCheckpoint``'s
+    list (the same names, order, types and shapes); arrays are shared between tensors of one
+    shape and type, to keep writing fast."""
     from gguf.constants import GGMLQuantizationType as T
-    from lodestar.formats.synthetic import tensor_kind, tensor_types
+    from lodestar.formats.synthetic import SyntheticCheckpoint
     rng = np.random.default_rng(seed)
     cache: dict = {}
-
-    def weight(rows, cols, kind):
-        key = (rows, cols, kind)
+    for name, t in SyntheticCheckpoint(g, qtype_name).tensors.items():
+        if t.qtype == T.F32:      # norm weights
+            yield name, np.ones(t.shape[-1], dtype=np.float32), T.F32
+            continue
+        rows, cols = t.shape
+        key = (rows, cols, t.qtype)
         if key not in cache:
-            t = T[kind]
+            kind = t.qtype.name
             cache[key] = (_float_weight(rng, kind, rows, cols) if kind in ("F16", "BF16")
-                          else _random_blocks(rng, t, rows, cols), t)
-        return cache[key]
-
-    q = g.n_heads * g.head_dim
-    kv = g.n_kv_heads * g.head_dim
-    _, emb_kind, out_kind = tensor_types(qtype_name)
-    ones = np.ones(g.d_model, dtype=np.float32)
-    yield ("token_embd.weight", *weight(g.vocab, g.d_model, emb_kind))
-    for i in range(g.n_layers):
-        p = f"blk.{i}."
-
-        def kind(name, i=i):
-            return tensor_kind(qtype_name, name, i, g.n_layers)
-        yield (p + "attn_norm.weight", ones, T.F32)
-        yield (p + "attn_q.weight", *weight(q, g.d_model, kind("attn_q")))
-        yield (p + "attn_k.weight", *weight(kv, g.d_model, kind("attn_k")))
-        yield (p + "attn_v.weight", *weight(kv, g.d_model, kind("attn_v")))
-        yield (p + "attn_output.weight", *weight(g.d_model, q, kind("attn_output")))
-        if g.qk_norm:
-            yield (p + "attn_q_norm.weight", np.ones(g.head_dim, dtype=np.float32), T.F32)
-            yield (p + "attn_k_norm.weight", np.ones(g.head_dim, dtype=np.float32), T.F32)
-        yield (p + "ffn_norm.weight", ones, T.F32)
-        yield (p + "ffn_gate.weight", *weight(g.ffn_dim, g.d_model, kind("ffn_gate")))
-        yield (p + "ffn_up.weight", *weight(g.ffn_dim, g.d_model, kind("ffn_up")))
-        yield (p + "ffn_down.weight", *weight(g.d_model, g.ffn_dim, kind("ffn_down")))
-    yield ("output_norm.weight", ones, T.F32)
-    if not g.tied:
-        yield ("output.weight", *weight(g.vocab, g.d_model, out_kind))
+                          else _random_blocks(rng, t.qtype, rows, cols), t.qtype)
+        yield (name, *cache[key])
 
 
 def write_gguf(g: Geometry, name: str, qtype_name: str, out: Path) -> Path:

@@ -66,12 +66,11 @@ def parse_spec(spec) -> tuple[str, str] | None:
         return None
     parts = text[len(SPEC_PREFIX):].split(":")
     geometry, qtype = parts[0], (parts[1] if len(parts) > 1 else "BF16").upper()
+    from lodestar.formats.catalog import ModelNotFoundError
     if len(parts) > 2 or geometry not in GEOMETRIES or qtype not in QTYPES:
-        from lodestar.formats.catalog import ModelNotFoundError
         raise ModelNotFoundError(f"--model {text!r}: expected synthetic:<geometry>[:<type>] with geometry one of "
                          f"{', '.join(GEOMETRIES)} and type one of {', '.join(QTYPES)}")
     if not holds_blocks(GEOMETRIES[geometry], qtype):
-        from lodestar.formats.catalog import ModelNotFoundError
         fits = [t for t in QTYPES if holds_blocks(GEOMETRIES[geometry], t)]
         raise ModelNotFoundError(f"--model {text!r}: {geometry}'s rows ({', '.join(map(str, row_widths(GEOMETRIES[geometry])))} "
                                  f"weights) do not hold whole {qtype} blocks; for this geometry use one of {', '.join(fits)}")
