@@ -194,18 +194,19 @@ def test_shipped_tuned_table_is_well_formed():
 @pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE])
 def test_word_tile_kernel_without_masks(qtype):
     """The word-tile kernel on a shape with no partial block or tile (its unmasked form), K
-    split in 2: within the reference's tolerance, and a row's bits do not depend on the batch."""
+    split in 2, and in programs of 4 rows and one warp (the H200's Q5_K gate|up tiling):
+    within the reference's tolerance, and a row's bits do not depend on the batch."""
     dev = kernel_device()
     n, k = 64, 2048
     data = random_gguf(qtype, n, k, seed=17)
     pw = tq.pack(qtype, data.to(dev), n, k)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    cfg = tq.GemvConfig(block_n=16, tile_groups=32, split_k=2, num_warps=4, words=True)
-    got = tq.quant_matmul(x.to(dev), pw, torch.float32, config=cfg).cpu()
     want = F.linear(x.float(), dequantize(data, qtype, (n, k)))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
-    alone = tq.quant_matmul(x[2:3].to(dev), pw, torch.float32, config=cfg).cpu()
-    assert torch.equal(got[2:3].view(torch.int32), alone.view(torch.int32))
+    for cfg in (tq.GemvConfig(4, 32, 1, 1, words=True), tq.GemvConfig(16, 32, 2, 4, words=True)):
+        got = tq.quant_matmul(x.to(dev), pw, torch.float32, config=cfg).cpu()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        alone = tq.quant_matmul(x[2:3].to(dev), pw, torch.float32, config=cfg).cpu()
+        assert torch.equal(got[2:3].view(torch.int32), alone.view(torch.int32))
     # a cap on registers (ptxas .maxnreg; spills at 64) changes no bit
     capped = tq.quant_matmul(x.to(dev), pw, torch.float32, config=replace(cfg, maxnreg=64)).cpu()
     assert torch.equal(got.view(torch.int32), capped.view(torch.int32))
@@ -231,7 +232,7 @@ def test_kquant_scale_pairs_give_the_same_bits(qtype, monkeypatch, tmp_path):
     assert torch.equal(tq.dequantize_packed(pair, torch.float32), tq.dequantize_packed(split, torch.float32))
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(dev)
     for cfg in (tq.GemvConfig(16, 32, 2, 4, words=True), tq.GemvConfig(8, 32, 1, 1, words=True, unroll=True),
-                tq.GemvConfig(16, 32, 1, 4, words=True), tq.GemvConfig(16, 8, 2, 4),
+                tq.GemvConfig(16, 32, 1, 4, words=True), tq.GemvConfig(4, 32, 1, 1, words=True), tq.GemvConfig(16, 8, 2, 4),
                 tq.GemvConfig(16, 8, 1, 4, prefetch=True)):
         a = tq.quant_matmul(x, split, torch.float32, config=cfg)
         b = tq.quant_matmul(x, pair, torch.float32, config=cfg)
