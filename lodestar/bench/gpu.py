@@ -997,7 +997,8 @@ def stage_ab(r: Results) -> None:
     """Two settings of the environment, one engine each, runs interleaved: decode tok/s of
     one stream (prompt 128, 256 new) and whether greedy tokens agree. ``LODESTAR_AB`` names
     them as ``A|B``, each a space-separated list of VAR=value (default: programmatic
-    dependent launch off | on); ``LODESTAR_AB_CELLS`` lists geometry/type cells. Greedy
+    dependent launch off | on; one setting without ``|`` is measured alone);
+    ``LODESTAR_AB_CELLS`` lists geometry/type cells. Greedy
     tokens are compared with side 0's, side by side (``same_tokens_as_side_0``; where they
     differ, ``first_divergence`` gives the step and the logit margins there)."""
     from lodestar.engine.sampling import SamplingParams
@@ -1040,7 +1041,8 @@ def stage_ab(r: Results) -> None:
                 out[f"side_{i}"] = {"decode_tok_s": stat(runs[i])}
                 if bw:
                     out[f"side_{i}"]["fraction_of_weight_roofline"] = round(statistics.median(runs[i]) * read / bw, 3)
-            out["ratio_1_over_0"] = round(statistics.median(runs[1]) / statistics.median(runs[0]), 3)
+            if len(sides) > 1:      # one side: that setting measured alone
+                out["ratio_1_over_0"] = round(statistics.median(runs[1]) / statistics.median(runs[0]), 3)
             del engines
             release()
             return out

@@ -18,8 +18,10 @@ Q4_K   uint8 [N, K/2]             d, dmin fp16 [N, K/256]; sc, m uint8        0.
                                   [N, K/128] = (d, dmin) a block, sc uint8
                                   [N, K/16] = (sc, m) a group
 Q5_K   as Q4_K + high: int32      as Q4_K;  q = low | bit << 4                0.703
-       [N, K/32], bit e = 5th
-       bit of weight e
+       [N, K/32]: the 5th bits
+       of weights 4j + b and
+       16 + 4j + b at bits 8b + j
+       and 8b + 4 + j (b, j < 4)
 Q6_K   uint8 [N, K/2] (low 4      d fp16 [N, K/256]; sc int8 [N, K/16];       0.820
        bits) + high: int32        w = (d*sc) * (q - 32) per 16 weights
        [N, K/16], 2 bits each
@@ -50,8 +52,8 @@ Kernels (reference in brackets, same module):
     replay give the same tokens as single-stream decode).
 
     Word-tile form (``GemvConfig.words``; the rule's choice for ``WORDS_TYPES``: Q4_0, Q4_1,
-    Q4_K, Q6_K, Q8_0; Q5_K runs it when a config asks, ``WORDS_CAPABLE``, not yet timed on
-    a GPU): ``_gemv_words_kernel`` holds a tile as ``[block_n, 4 * tile_groups]`` code words,
+    Q4_K, Q6_K, Q8_0; Q5_K runs it when a config asks, ``WORDS_CAPABLE``, as the H200 table
+    does for the 8B shapes): ``_gemv_words_kernel`` holds a tile as ``[block_n, 4 * tile_groups]`` code words,
     four (one group) per thread in one 16-byte load, so that the x words (one 16-byte load
     per term and half, shared by the thread's rows), the dp4a products and the per-group
     scales all live in the same register layout: no shared-memory shuffle or barrier per
@@ -356,6 +358,13 @@ def _bits_to_words(bits: torch.Tensor, width: int) -> torch.Tensor:
     return w.to(torch.int32)
 
 
+# Q5_K's high word of a group: bit p holds the 5th bit of weight Q5K_HIGH_ORDER[p]. Bit 8b + j
+# is weight 4j + b, bit 8b + 4 + j weight 16 + 4j + b (b, j < 4): code word j of the group
+# (weights 4j .. 4j + 3 in its low nibbles, 16 + 4j .. in its high ones) finds its lanes' 5th
+# bits at bit 4 of each byte after one shift, (h << (4 - j)) and (h >> j), and one mask.
+Q5K_HIGH_ORDER = tuple(4 * j + b + 16 * hi for b in range(4) for hi in range(2) for j in range(4))
+
+
 def _shift(x: torch.Tensor, *values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.uint8, device=x.device)
 
@@ -428,7 +437,7 @@ def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int,
         if qtype == T.Q5_K:
             qh = b[:, 16:48]
             bits = ((qh.reshape(nb, 1, 32) >> _shift(b, *range(8)).reshape(1, 8, 1)) & 1)   # [nb, 8, 32]
-            high = rows(_bits_to_words(bits, 1))
+            high = rows(_bits_to_words(bits[..., torch.tensor(Q5K_HIGH_ORDER, device=b.device)], 1))
         if pairs if pairs is not None else kquant_pairs(qtype, n, k, data.device):
             return PackedWeight(qtype, n, k, rows(_pack_nibbles(low)), rows(b[:, 0:4].contiguous().view(torch.float16)),
                                 high=high, sc=rows(torch.stack((sc, mn), dim=-1)))
@@ -451,9 +460,9 @@ def _unpack_codes(pw: PackedWeight) -> torch.Tensor:
         return pw.codes.to(torch.int32)
     byte = pw.codes.reshape(n, k // GROUP, 16).to(torch.int32)
     q = torch.cat((byte & 15, byte >> 4), dim=-1)                       # [N, K/32, 32]
-    if pw.qtype == T.Q5_K:
-        e = torch.arange(32, device=q.device, dtype=torch.int32)
-        q = q | (((pw.high.reshape(n, -1, 1) >> e) & 1) << 4)
+    if pw.qtype == T.Q5_K:       # bit p of the group's word: weight Q5K_HIGH_ORDER[p]
+        p = torch.argsort(torch.tensor(Q5K_HIGH_ORDER)).to(device=q.device, dtype=torch.int32)   # weight -> bit
+        q = q | (((pw.high.reshape(n, -1, 1) >> p) & 1) << 4)
     elif pw.qtype == T.Q6_K:
         e = torch.arange(16, device=q.device, dtype=torch.int32)
         bits = (pw.high.reshape(n, -1, 2, 1) >> (2 * e)) & 3            # [N, K/32, 2, 16]
@@ -1379,10 +1388,11 @@ if triton_enabled():
             if QTYPE == 2:  # Q4_0
                 qa = qa - 8
                 qb = qb - 8
-            if QTYPE == 13:  # Q5_K
+            if QTYPE == 13:  # Q5_K: weights h and 16 + h at bits 8 (h % 4) + h // 4 and that + 4
                 w = tl.load(high_ptr + rows * (K // 32) + g, mask=mask_n, other=0)
-                qa = qa | (((w[:, None] >> h[None, :]) & 1) << 4)
-                qb = qb | (((w[:, None] >> (h[None, :] + 16)) & 1) << 4)
+                bit = (8 * (h % 4) + h // 4)[None, :]
+                qa = qa | (((w[:, None] >> bit) & 1) << 4)
+                qb = qb | (((w[:, None] >> (bit + 4)) & 1) << 4)
             if QTYPE == 14:  # Q6_K
                 w0 = tl.load(high_ptr + rows * (K // 16) + 2 * g, mask=mask_n, other=0)
                 w1 = tl.load(high_ptr + rows * (K // 16) + 2 * g + 1, mask=mask_n, other=0)
@@ -1494,9 +1504,15 @@ if triton_enabled():
         _store_quant_groups(words_ptr, d1_ptr, sums_ptr, pid_m.to(tl.int64) * G + g, mask_g, w1, w2, d1, sa, sb)
 
     @triton.jit
-    def _spread4(v, SHIFT: tl.constexpr):
-        """Bits 0..3 of v -> bit SHIFT of bytes 0..3."""
-        return ((v & 1) | ((v & 2) << 7) | ((v & 4) << 14) | ((v & 8) << 21)) << SHIFT
+    def _q5k_lo(h, j):
+        """The 5th bits of code word j's low-nibble lane (weights 4j .. 4j + 3) from a Q5_K
+        group's high word ``h`` (``Q5K_HIGH_ORDER``: bits 8b + j), at bit 4 of bytes 0..3."""
+        return (h << (4 - j)) & 0x10101010
+
+    @triton.jit
+    def _q5k_hi(h, j):
+        """The same for its high-nibble lane (weights 16 + 4j ..: bits 8b + 4 + j)."""
+        return (h >> j) & 0x10101010
 
     @triton.jit
     def _spread2x4(v):
@@ -1550,7 +1566,7 @@ if triton_enabled():
                 s1 = tl.load(dmin_ptr + r2 * (K // 256) + g2 // 8, mask=mask2, other=0)
                 s2 = tl.load(sc_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
                 s3 = tl.load(m_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
-            if QTYPE == 13:  # bit e of the group's word is the 5th bit of weight e
+            if QTYPE == 13:  # the group's high word (Q5K_HIGH_ORDER)
                 h0 = tl.load(high_ptr + r2 * (K // 32) + g2, mask=mask2, other=0)
             else:
                 h0 = s2
@@ -1600,10 +1616,9 @@ if triton_enabled():
         else:           # 4-bit codes: low nibbles weights 0..15, high 16..31
             lo = lo_w & 0x0F0F0F0F
             hi = (lo_w >> 4) & 0x0F0F0F0F
-            if QTYPE == 13:  # Q5_K: bit e of the group's word is the 5th bit of weight e
-                hb = h0[:, :, None]
-                lo = lo | _spread4(hb >> (4 * i4[None, None, :]), 4)
-                hi = hi | _spread4(hb >> (16 + 4 * i4[None, None, :]), 4)
+            if QTYPE == 13:  # Q5_K: word j's lanes' 5th bits (Q5K_HIGH_ORDER) to bit 4 of each byte
+                lo = lo | _q5k_lo(h0[:, :, None], i4[None, None, :])
+                hi = hi | _q5k_hi(h0[:, :, None], i4[None, None, :])
             if QTYPE == 14:  # Q6_K: two words per group, 2 bits per weight
                 lo = lo | _spread2x4(h0[:, :, None] >> (8 * i4[None, None, :]))
                 hi = hi | _spread2x4(h1[:, :, None] >> (8 * i4[None, None, :]))
@@ -1876,10 +1891,10 @@ if triton_enabled():
                 hidx = rows[:, None] * (G * (QTYPE - 12)) + ((g0 + gl) * (QTYPE - 12))[None, :]
                 if not EVEN:
                     hidx = tl.where(mask_n[:, None] & mask_c[None, :], hidx, 0)
-                if QTYPE == 13:  # Q5_K: bit e of the group's word is the 5th bit of weight e
+                if QTYPE == 13:  # Q5_K: word j's lanes' 5th bits (Q5K_HIGH_ORDER) to bit 4 of each byte
                     hb = _ld_i32(high_ptr + hidx, ASM)
-                    lo = lo | _spread4(hb >> (4 * j)[None, :], 4)
-                    hi = hi | _spread4(hb >> (16 + 4 * j)[None, :], 4)
+                    lo = lo | _q5k_lo(hb, j[None, :])
+                    hi = hi | _q5k_hi(hb, j[None, :])
                 else:            # Q6_K: two words a group, 2 bits a weight
                     lo = lo | _spread2x4(_ld_i32(high_ptr + hidx, ASM) >> (8 * j)[None, :])
                     hi = hi | _spread2x4(_ld_i32(high_ptr + hidx + 1, ASM) >> (8 * j)[None, :])
