@@ -17,6 +17,11 @@ defaults, then the variants, then the tilings) until ``budget_s`` is spent; what
 fit is listed under ``skipped``.
 
     python -m lodestar.bench.gemv_variants [--qtypes Q4_0,Q4_K] [--iters 20] [--budget 90] > gemv.json
+    python -m lodestar.bench.gemv_variants --qtypes Q4_K --configs "down:8,32,7,1,0,0,0,1 down:16,32,2,4,0,0,0,1,128"
+
+``--configs`` times named tilings (``SHAPE:CONFIG``, CONFIG as ``LODESTAR_GEMV`` reads it) of
+those shapes only, after the rule and the shipped entry (``default``, ``rule``, ``shipped``),
+instead of the built-in variants and tilings.
 
 ``--dense`` times the dense bf16 kernel (``triton_dense``) the same way over the same shapes:
 the shape's current config, the rule and ``DENSE_CONFIGS`` (a K split's sum kernel counted in
@@ -82,11 +87,13 @@ TILINGS: dict[str, Callable] = {
 
 
 def configs(n: int, k: int, device: torch.device, qtype=None,
-            only: tuple[str, ...] | None = None) -> list[tuple[str, str, object]]:
+            only: tuple[str, ...] | None = None,
+            explicit: tuple[str, ...] | None = None) -> list[tuple[str, str, object]]:
     """(round, name, GemvConfig) for one shape: the type-blind rule (``default``: the
-    group-tile kernel), the type's rule, the shipped table's entry (if any),
-    each loop variant, each tiling (with ``only``: just those names). Configs equal to an
-    earlier one are left out."""
+    group-tile kernel), the type's rule, the shipped table's entry (if any), then either
+    each loop variant and each tiling (with ``only``: just those names) or, with
+    ``explicit`` (config texts), those configs named by their text (round ``config``).
+    Configs equal to an earlier one are left out."""
     from lodestar.kernels import triton_quant as tq
     base = tq.default_gemv_config(n, k, device)
     out = [("default", "default", base)]
@@ -95,9 +102,12 @@ def configs(n: int, k: int, device: torch.device, qtype=None,
     shipped = tq._tuned_config(n, k, device, qtype) if qtype is not None else None
     if shipped is not None:
         out.append(("default", "shipped", shipped))
-    out += [("variant", name, tq.with_variant(base, name)) for name in tq.GEMV_VARIANTS
-            if name != "default" and (only is None or name in only)]
-    out += [("tiling", name, edit(base)) for name, edit in TILINGS.items() if only is None or name in only]
+    if explicit is not None:
+        out += [("config", text, tq.parse_gemv_config(text)) for text in explicit]
+    else:
+        out += [("variant", name, tq.with_variant(base, name)) for name in tq.GEMV_VARIANTS
+                if name != "default" and (only is None or name in only)]
+        out += [("tiling", name, edit(base)) for name, edit in TILINGS.items() if only is None or name in only]
     seen, unique = set(), []
     for rnd, name, cfg in out:
         if cfg not in seen and (k // tq.GROUP) >= cfg.tile_groups:
@@ -233,17 +243,35 @@ def _results_head(device: str, iters: int) -> dict:
             "copy_bandwidth": bw, "reps_per_graph": REPS, "iters": iters, "results": {}, "skipped": []}
 
 
+def parse_explicit(text: str) -> dict[str, tuple[str, ...]]:
+    """``--configs``: space- or semicolon-separated ``SHAPE:CONFIG`` -> {shape: config texts},
+    each config checked (``parse_gemv_config``) and each shape one of SHAPES."""
+    from lodestar.kernels import triton_quant as tq
+    out: dict[str, list[str]] = {}
+    for item in text.replace(";", " ").split():
+        shape, sep, cfg = item.partition(":")
+        if not sep or shape not in SHAPES:
+            raise ValueError(f"--configs item {item!r}: give SHAPE:CONFIG with SHAPE one of {', '.join(SHAPES)}")
+        tq.parse_gemv_config(cfg)
+        out.setdefault(shape, []).append(cfg)
+    return {shape: tuple(cfgs) for shape, cfgs in out.items()}
+
+
 def run(device: str = "cuda", qtypes: tuple[str, ...] = ("Q4_0", "Q4_K"), iters: int = 20,
-        budget_s: float = 90.0, only: tuple[str, ...] | None = None) -> dict:
-    """Measure every (qtype, shape, config) that fits in ``budget_s``; see the module docstring."""
+        budget_s: float = 90.0, only: tuple[str, ...] | None = None,
+        explicit: dict[str, tuple[str, ...]] | None = None) -> dict:
+    """Measure every (qtype, shape, config) that fits in ``budget_s``; see the module docstring.
+    ``explicit`` ({shape: config texts}, ``parse_explicit``): only those shapes, with those configs."""
     from lodestar.kernels import triton_quant as tq
     start = time.monotonic()
     dev = torch.device(device)
     results = _results_head(device, iters)
     bw = results["copy_bandwidth"]
-    plan = {(q, s): configs(*SHAPES[s], dev, tq.T[q], only) for q in qtypes for s in SHAPES}
+    shapes = list(explicit) if explicit else list(SHAPES)
+    plan = {(q, s): configs(*SHAPES[s], dev, tq.T[q], only, explicit[s] if explicit else None)
+            for q in qtypes for s in shapes}
     outputs: dict = {}
-    for rnd in ("default", "variant", "tiling"):
+    for rnd in ("default", "variant", "tiling", "config"):
         for (qname, shape), cfgs in plan.items():
             n, k = SHAPES[shape]
             weights = None
@@ -366,13 +394,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20, help="graph replays per config")
     p.add_argument("--budget", type=float, default=90.0, help="seconds; configs past it are skipped")
     p.add_argument("--only", default="", help="comma list of variant / tiling names (default: all)")
+    p.add_argument("--configs", default="", help="SHAPE:CONFIG items (space or ; separated): time only "
+                   "these tilings of these shapes, after the rule and the shipped entry")
     p.add_argument("--dense", action="store_true", help="time the dense bf16 kernel's tilings instead")
     args = p.parse_args(argv)
     if args.dense:
         print(json.dumps(run_dense("cuda", args.iters, args.budget), indent=1))
         return
     only = tuple(n.strip() for n in args.only.split(",") if n.strip()) or None
-    res = run("cuda", tuple(q.strip() for q in args.qtypes.split(",") if q.strip()), args.iters, args.budget, only)
+    explicit = parse_explicit(args.configs) if args.configs.strip() else None
+    res = run("cuda", tuple(q.strip() for q in args.qtypes.split(",") if q.strip()), args.iters, args.budget, only,
+              explicit)
     print(json.dumps(res, indent=1))
 
 

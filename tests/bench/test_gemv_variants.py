@@ -28,3 +28,19 @@ def test_summary_picks_the_fastest_per_shape_and_sums_a_token():
     assert all(b["name"] == "prefetch" and b["speedup"] == 1.25 for b in s["best"].values())
     assert s["table"]["Q4_0:6144,4096"] == "16,16,1,4,1,0,0"     # a LODESTAR_GEMV_TABLE key
     assert s["token_us"] == {"default": 10.0 * 129, "best_per_shape": 8.0 * 129}
+
+
+def test_named_configs_replace_the_built_in_variants_and_bad_items_are_refused():
+    dev = torch.device("cpu")
+    explicit = gv.parse_explicit("down:8,32,7,1,0,0,0,1; down:16,32,2,4,0,0,0,1,128 gate_up:4,32,1,1,0,0,0,1")
+    assert explicit == {"down": ("8,32,7,1,0,0,0,1", "16,32,2,4,0,0,0,1,128"), "gate_up": ("4,32,1,1,0,0,0,1",)}
+    plan = gv.configs(*gv.SHAPES["down"], dev, tq.T.Q4_K, explicit=explicit["down"])
+    assert [rnd for rnd, _, _ in plan if rnd not in ("default", "config")] == []
+    named = {name: cfg for rnd, name, cfg in plan if rnd == "config"}
+    assert named["16,32,2,4,0,0,0,1,128"] == tq.GemvConfig(16, 32, 2, 4, words=True, maxnreg=128)
+    for bad in ("attn:8,32,1,1", "down", "down:8,32"):
+        try:
+            gv.parse_explicit(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
