@@ -24,7 +24,9 @@ Q5_K   as Q4_K + high: int32      as Q4_K;  q = low | bit << 4                0.
        and 8b + 4 + j (b, j < 4)
 Q6_K   uint8 [N, K/2] (low 4      d fp16 [N, K/256]; sc int8 [N, K/16];       0.820
        bits) + high: int32        w = (d*sc) * (q - 32) per 16 weights
-       [N, K/16], 2 bits each
+       [N, K/16], 2 bits each:
+       weight 4j + b of the 16
+       at bits 8b + 2j
 =====  =========================  ==========================================  ==============
 
 Kernels (reference in brackets, same module):
@@ -365,6 +367,12 @@ def _bits_to_words(bits: torch.Tensor, width: int) -> torch.Tensor:
 Q5K_HIGH_ORDER = tuple(4 * j + b + 16 * hi for b in range(4) for hi in range(2) for j in range(4))
 
 
+# Q6_K's high word of 16 weights (a group's half): 2-bit field f holds weight Q6K_HIGH_ORDER[f].
+# Field 4b + j (bits 8b + 2j) is weight 4j + b: code word j of the half finds its four weights'
+# fields at bits 4-5 of each byte after two shifts, (h >> 2j) << 4, and one mask.
+Q6K_HIGH_ORDER = tuple(4 * (f % 4) + f // 4 for f in range(16))
+
+
 def _shift(x: torch.Tensor, *values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.uint8, device=x.device)
 
@@ -448,7 +456,8 @@ def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int,
     lo = ((ql.reshape(nb, 2, 1, 64) >> _shift(b, 0, 4).reshape(1, 1, 2, 1)) & 0x0F).reshape(nb, 256)
     hi = ((qh.reshape(nb, 2, 1, 32) >> _shift(b, 0, 2, 4, 6).reshape(1, 1, 4, 1)) & 0x03).reshape(nb, 16, 16)
     return PackedWeight(qtype, n, k, rows(_pack_nibbles(lo)), rows(_f16(b, 208)),
-                        high=rows(_bits_to_words(hi, 2)), sc=rows(b[:, 192:208].contiguous().view(torch.int8)))
+                        high=rows(_bits_to_words(hi[..., torch.tensor(Q6K_HIGH_ORDER, device=b.device)], 2)),
+                        sc=rows(b[:, 192:208].contiguous().view(torch.int8)))
 
 
 # ------------------------------------------------------------------- torch references
@@ -463,9 +472,9 @@ def _unpack_codes(pw: PackedWeight) -> torch.Tensor:
     if pw.qtype == T.Q5_K:       # bit p of the group's word: weight Q5K_HIGH_ORDER[p]
         p = torch.argsort(torch.tensor(Q5K_HIGH_ORDER)).to(device=q.device, dtype=torch.int32)   # weight -> bit
         q = q | (((pw.high.reshape(n, -1, 1) >> p) & 1) << 4)
-    elif pw.qtype == T.Q6_K:
-        e = torch.arange(16, device=q.device, dtype=torch.int32)
-        bits = (pw.high.reshape(n, -1, 2, 1) >> (2 * e)) & 3            # [N, K/32, 2, 16]
+    elif pw.qtype == T.Q6_K:     # field f of a half's word: weight Q6K_HIGH_ORDER[f] (its own inverse)
+        f = torch.tensor(Q6K_HIGH_ORDER, device=q.device, dtype=torch.int32)
+        bits = (pw.high.reshape(n, -1, 2, 1) >> (2 * f)) & 3            # [N, K/32, 2, 16]
         q = (q | (bits.reshape(n, -1, 32) << 4)) - 32
     elif pw.qtype == T.Q4_0:
         q = q - 8
@@ -1393,11 +1402,12 @@ if triton_enabled():
                 bit = (8 * (h % 4) + h // 4)[None, :]
                 qa = qa | (((w[:, None] >> bit) & 1) << 4)
                 qb = qb | (((w[:, None] >> (bit + 4)) & 1) << 4)
-            if QTYPE == 14:  # Q6_K
+            if QTYPE == 14:  # Q6_K: weight h of each half at bits 8 (h % 4) + 2 (h // 4) of its word
                 w0 = tl.load(high_ptr + rows * (K // 16) + 2 * g, mask=mask_n, other=0)
                 w1 = tl.load(high_ptr + rows * (K // 16) + 2 * g + 1, mask=mask_n, other=0)
-                qa = (qa | (((w0[:, None] >> (2 * h[None, :])) & 3) << 4)) - 32
-                qb = (qb | (((w1[:, None] >> (2 * h[None, :])) & 3) << 4)) - 32
+                pos = (8 * (h % 4) + 2 * (h // 4))[None, :]
+                qa = (qa | (((w0[:, None] >> pos) & 3) << 4)) - 32
+                qb = (qb | (((w1[:, None] >> pos) & 3) << 4)) - 32
         return qa, qb
 
     @triton.jit
@@ -1515,9 +1525,11 @@ if triton_enabled():
         return (h >> j) & 0x10101010
 
     @triton.jit
-    def _spread2x4(v):
-        """Four 2-bit fields of v (bits 0..7) -> bits 4..5 of bytes 0..3."""
-        return ((v & 3) | ((v & 12) << 6) | ((v & 48) << 12) | ((v & 192) << 18)) << 4
+    def _q6k_lane(h, j):
+        """The high 2 bits of code word j's four weights (4j .. 4j + 3 of a half) from a Q6_K
+        half's word ``h`` (``Q6K_HIGH_ORDER``: bits 8b + 2j), at bits 4-5 of bytes 0..3. The
+        arithmetic shift's copies of bit 31 land above bit 31 after the left shift."""
+        return ((h >> (2 * j)) << 4) & 0x30303030
 
     @triton.jit
     def _code_words(codes_ptr, rows, g, mask2, i4, K: tl.constexpr, QTYPE: tl.constexpr):
@@ -1620,8 +1632,8 @@ if triton_enabled():
                 lo = lo | _q5k_lo(h0[:, :, None], i4[None, None, :])
                 hi = hi | _q5k_hi(h0[:, :, None], i4[None, None, :])
             if QTYPE == 14:  # Q6_K: two words per group, 2 bits per weight
-                lo = lo | _spread2x4(h0[:, :, None] >> (8 * i4[None, None, :]))
-                hi = hi | _spread2x4(h1[:, :, None] >> (8 * i4[None, None, :]))
+                lo = lo | _q6k_lane(h0[:, :, None], i4[None, None, :])
+                hi = hi | _q6k_lane(h1[:, :, None], i4[None, None, :])
         if QTYPE == 14:  # two scales per group: keep the halves apart
             ia1 = tl.sum(_dp4a(lo, x1a, zero3, ASM), axis=2)
             ia2 = tl.sum(_dp4a(lo, x2a, zero3, ASM), axis=2)
@@ -1896,8 +1908,8 @@ if triton_enabled():
                     lo = lo | _q5k_lo(hb, j[None, :])
                     hi = hi | _q5k_hi(hb, j[None, :])
                 else:            # Q6_K: two words a group, 2 bits a weight
-                    lo = lo | _spread2x4(_ld_i32(high_ptr + hidx, ASM) >> (8 * j)[None, :])
-                    hi = hi | _spread2x4(_ld_i32(high_ptr + hidx + 1, ASM) >> (8 * j)[None, :])
+                    lo = lo | _q6k_lane(_ld_i32(high_ptr + hidx, ASM), j[None, :])
+                    hi = hi | _q6k_lane(_ld_i32(high_ptr + hidx + 1, ASM), j[None, :])
             if QTYPE == 14:
                 i1 = _dp4a(lo, x1a[None, :] + zero, zero, ASM)
                 i2 = _dp4a(lo, x2a[None, :] + zero, zero, ASM)
