@@ -38,6 +38,9 @@ def test_named_configs_replace_the_built_in_variants_and_bad_items_are_refused()
     assert [rnd for rnd, _, _ in plan if rnd not in ("default", "config")] == []
     named = {name: cfg for rnd, name, cfg in plan if rnd == "config"}
     assert named["16,32,2,4,0,0,0,1,128"] == tq.GemvConfig(16, 32, 2, 4, words=True, maxnreg=128)
+    assert gv.parse_explicit("v:16,32,4,4,0,0,0,1") == {"v": ("16,32,4,4,0,0,0,1",)}    # a shape --configs adds
+    res = {"v": {"default": {"config": "16,16,4,4,0,0,0", "us": {"median": 3.0}}}}
+    assert gv._summary("Q6_K", res)["table"] == {"Q6_K:1024,4096": "16,16,4,4,0,0,0"}
     for bad in ("attn:8,32,1,1", "down", "down:8,32"):
         try:
             gv.parse_explicit(bad)
