@@ -3,7 +3,7 @@ prefill path, and torch references.
 
 Decode (one new token per sequence), ``decode_attention`` [``decode_attention_ref``]
     Split-KV ("flash decoding") in two kernels. Each sequence's visible context is cut
-    into partitions counted from its first visible key: ``SHORT_PARTITION`` keys when the
+    into partitions counted from its first visible key: ``short_partition()`` keys when the
     visible context is at most ``SHORT_CONTEXT`` keys (short contexts: more partitions run
     side by side, each one step long), ``PARTITION`` keys beyond (long contexts: fewer
     partials to write and combine); a program
@@ -106,9 +106,23 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def short_partition() -> int:
+    """Keys per partition of a short context (at most ``SHORT_CONTEXT`` keys): env
+    ``LODESTAR_ATTN_SHORT_PARTITION`` (a multiple of ``BLOCK_N`` up to ``SHORT_CONTEXT``),
+    unset: ``SHORT_PARTITION``. Read at each call. Longer partitions mean fewer programs with
+    work and fewer partials to combine; the combine's grouping follows the partitions, so
+    another value gives other fp32 rounding (not the same bits)."""
+    env = os.environ.get("LODESTAR_ATTN_SHORT_PARTITION", "").strip()
+    if not env:
+        return SHORT_PARTITION
+    if not env.isdigit() or int(env) % BLOCK_N or not BLOCK_N <= int(env) <= SHORT_CONTEXT:
+        raise ValueError(f"LODESTAR_ATTN_SHORT_PARTITION={env!r}; use a multiple of {BLOCK_N} up to {SHORT_CONTEXT}")
+    return int(env)
+
+
 def num_partitions(max_context: int) -> int:
     """Partitions needed for any context up to ``max_context`` keys."""
-    short = -(-min(max_context, SHORT_CONTEXT) // SHORT_PARTITION)
+    short = -(-min(max_context, SHORT_CONTEXT) // short_partition())
     return max(1, short, -(-max_context // PARTITION))
 
 
@@ -280,20 +294,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:       # never read: ROPE is off
         nk, nv, pos, cos, sin, slots = k_cache, v_cache, seq_lens, part_m, part_m, seq_lens
     launch = attention_pdl()
+    part_short = short_partition()
     _decode_partial_kernel[(B, Hk, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_m, part_l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), scale * LOG2E, win, max_partitions,
         out, counters, out.stride(0), out.stride(1), words, d1, sums,
         nk, nv, pos, cos, sin, slots, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), cos.stride(0),
-        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=SHORT_PARTITION,
+        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=part_short,
         SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
         CHUNK=REDUCE_CHUNK, ROPE=new is not None, QUANT=quantize, INTERP=_INTERP,
         PREFETCH=launch["PDL"] != 0 and kv_prefetch(), PDL_SHORT_KEYS=ATTN_PDL_SHORT_KEYS, num_warps=4, **launch)
     if not fuse_reduce:
         _decode_reduce_kernel[(B, Hq)](
             part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), words, d1, sums, win,
-            max_partitions, Hq, D=D, PART=PARTITION, PART_SHORT=SHORT_PARTITION, SHORT=SHORT_CONTEXT,
+            max_partitions, Hq, D=D, PART=PARTITION, PART_SHORT=part_short, SHORT=SHORT_CONTEXT,
             CHUNK=REDUCE_CHUNK, QUANT=quantize, INTERP=_INTERP, num_warps=4, **pdl(launch_next=reduce_early()))
     if quantize:
         return QuantizedRows(out.view(B, Hq * D), words, d1, sums)

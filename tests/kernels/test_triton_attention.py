@@ -47,6 +47,33 @@ def test_decode_matches_reference(hq, hk, d, lens, window, dtype):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("part", ["128", "512", "1024"])
+def test_decode_with_longer_short_partitions_matches_reference(part, monkeypatch):
+    """LODESTAR_ATTN_SHORT_PARTITION: fewer, longer partitions below SHORT_CONTEXT keys (one
+    for every short sequence at 1024), the long-context partitions beyond it unchanged."""
+    monkeypatch.setenv("LODESTAR_ATTN_SHORT_PARTITION", part)
+    assert ta.num_partitions(1024) == max(1024 // int(part), 1024 // ta.PARTITION)
+    assert ta.num_partitions(4096) == 4096 // ta.PARTITION
+    dev = kernel_device()
+    kc, vc = _pool(300, 8, 128, torch.bfloat16, dev)
+    lens = [5, 384, 1024, 1100]
+    tables = _tables(lens, 300, 2).to(dev)
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(len(lens), 32, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(dev)
+    got = ta.decode_attention(q, kc, vc, tables, sl, BS, 128 ** -0.5).float()
+    want = ta.decode_attention_ref(q, kc, vc, tables, sl, BS, 128 ** -0.5).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_short_partition_setting_is_checked(monkeypatch):
+    monkeypatch.delenv("LODESTAR_ATTN_SHORT_PARTITION", raising=False)
+    assert ta.short_partition() == ta.SHORT_PARTITION
+    for bad in ("100", "0", "2048", "x"):
+        monkeypatch.setenv("LODESTAR_ATTN_SHORT_PARTITION", bad)
+        with pytest.raises(ValueError, match="LODESTAR_ATTN_SHORT_PARTITION"):
+            ta.short_partition()
+
+
 def test_decode_rows_do_not_depend_on_batch_or_grid():
     """Same row, alone or batched, any split count or table width: bit-identical output."""
     dev = kernel_device()
