@@ -108,15 +108,17 @@ def _num_sms(device: torch.device) -> int:
 
 def short_partition() -> int:
     """Keys per partition of a short context (at most ``SHORT_CONTEXT`` keys): env
-    ``LODESTAR_ATTN_SHORT_PARTITION`` (a multiple of ``BLOCK_N`` up to ``SHORT_CONTEXT``),
-    unset: ``SHORT_PARTITION``. Read at each call. Longer partitions mean fewer programs with
-    work and fewer partials to combine; the combine's grouping follows the partitions, so
-    another value gives other fp32 rounding (not the same bits)."""
+    ``LODESTAR_ATTN_SHORT_PARTITION`` (32, or a multiple of ``BLOCK_N`` up to
+    ``SHORT_CONTEXT``; at 32 the decode kernel steps 32 keys at a time, long partitions
+    too), unset: ``SHORT_PARTITION``. Read at each call. Longer partitions mean fewer
+    programs with work and fewer partials to combine; the combine's grouping follows the
+    partitions, so another value gives other fp32 rounding (not the same bits)."""
     env = os.environ.get("LODESTAR_ATTN_SHORT_PARTITION", "").strip()
     if not env:
         return SHORT_PARTITION
-    if not env.isdigit() or int(env) % BLOCK_N or not BLOCK_N <= int(env) <= SHORT_CONTEXT:
-        raise ValueError(f"LODESTAR_ATTN_SHORT_PARTITION={env!r}; use a multiple of {BLOCK_N} up to {SHORT_CONTEXT}")
+    if not env.isdigit() or (int(env) != 32 and (int(env) % BLOCK_N or not BLOCK_N <= int(env) <= SHORT_CONTEXT)):
+        raise ValueError(f"LODESTAR_ATTN_SHORT_PARTITION={env!r}; use 32 or a multiple of {BLOCK_N} up to "
+                         f"{SHORT_CONTEXT}")
     return int(env)
 
 
@@ -301,7 +303,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), scale * LOG2E, win, max_partitions,
         out, counters, out.stride(0), out.stride(1), words, d1, sums,
         nk, nv, pos, cos, sin, slots, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), cos.stride(0),
-        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=part_short,
+        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=min(BLOCK_N, part_short), PART=PARTITION,
+        PART_SHORT=part_short,
         SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
         CHUNK=REDUCE_CHUNK, ROPE=new is not None, QUANT=quantize, INTERP=_INTERP,
         PREFETCH=launch["PDL"] != 0 and kv_prefetch(), PDL_SHORT_KEYS=ATTN_PDL_SHORT_KEYS, num_warps=4, **launch)
