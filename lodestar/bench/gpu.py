@@ -364,10 +364,26 @@ def sweep_qtypes() -> list[str]:
     return [q.strip() for q in os.environ.get("LODESTAR_SWEEP_QTYPES", SWEEP_QTYPES).split(",") if q.strip()]
 
 
+def sweep_contexts() -> tuple[int, ...]:
+    """The sweep's contexts: env ``LODESTAR_SWEEP_CONTEXTS`` (comma list of ascending positive
+    integers), unset 1k to 32k in doublings."""
+    env = os.environ.get("LODESTAR_SWEEP_CONTEXTS", "").strip()
+    if not env:
+        return (1024, 2048, 4096, 8192, 16384, 32768)
+    try:
+        values = tuple(int(v) for v in env.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1 or list(values) != sorted(set(values)):
+        raise ValueError(f"LODESTAR_SWEEP_CONTEXTS={env!r}; use ascending positive integers, comma-separated")
+    return values
+
+
 def stage_sweep(r: Results, csv_path: Path | None, svg_path: Path | None) -> None:
     """Decode speed against context, one 8B file per ``sweep_qtypes()``: CSV (a row per
-    type and context) and SVG (a line per type, with its roofline)."""
-    contexts = (1024, 2048, 4096, 8192, 16384, 32768)
+    type and context) and SVG (a line per type, with its roofline). Env
+    ``LODESTAR_SWEEP_CONTEXTS``: other contexts (comma list, ascending)."""
+    contexts = sweep_contexts()
     new = 64
     max_len = contexts[-1] + new + 16
     rows = []

@@ -20,3 +20,18 @@ def test_sweep_types_from_the_environment(monkeypatch):
     assert sweep_qtypes() == ["Q4_K", "F16"]
     monkeypatch.setenv("LODESTAR_SWEEP_QTYPES", " F16 ,")
     assert sweep_qtypes() == ["F16"]
+
+
+def test_sweep_contexts_default_and_setting(monkeypatch):
+    from lodestar.bench import gpu
+    monkeypatch.delenv("LODESTAR_SWEEP_CONTEXTS", raising=False)
+    assert gpu.sweep_contexts() == (1024, 2048, 4096, 8192, 16384, 32768)
+    monkeypatch.setenv("LODESTAR_SWEEP_CONTEXTS", "384,896,1024")
+    assert gpu.sweep_contexts() == (384, 896, 1024)
+    for bad in ("1024,512", "0,8", "x", "8,8"):
+        monkeypatch.setenv("LODESTAR_SWEEP_CONTEXTS", bad)
+        try:
+            gpu.sweep_contexts()
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
