@@ -109,10 +109,19 @@ def _num_sms(device: torch.device) -> int:
 def short_partition() -> int:
     """Keys per partition of a short context (at most ``SHORT_CONTEXT`` keys): env
     ``LODESTAR_ATTN_SHORT_PARTITION`` (32, or a multiple of ``BLOCK_N`` up to
-    ``SHORT_CONTEXT``; at 32 the decode kernel steps through short partitions 32 keys at
-    a time, long ones still ``BLOCK_N``), unset: ``SHORT_PARTITION``. Read at each call. Longer partitions mean fewer
-    programs with work and fewer partials to combine; the combine's grouping follows the
-    partitions, so another value gives other fp32 rounding (not the same bits)."""
+    ``SHORT_CONTEXT``; at 32 the decode kernel steps through short partitions 32 keys at a
+    time, long ones still ``BLOCK_N``), unset: ``SHORT_PARTITION``. Read at each call.
+    Longer partitions mean fewer programs with work and fewer partials to combine; the
+    combine's grouping follows the partitions, so another value gives other fp32 rounding
+    (not the same bits).
+
+    H200, 8B Q4_K one-stream decode at 128-384 keys against 64 in the same run, same greedy
+    tokens: 128 / 256 / 512 keys 559.2 / 528.4 / 517.4 against 580.3 tok/s (run 137); 32 in
+    this form 569.8 against 580.3, and slower at 640 and 896 keys of the context sweep,
+    549.8 / 531.2 against 566.9 / 560.1 (run 139). A kernel stepping 32 keys everywhere
+    (long partitions too; not kept) ran 586.6 against 579.9 at 128-384 keys (run 138), but
+    its sweep gave 493.8 / 408.6 / 283.8 tok/s at 1k / 8k / 32k against 513.7 / 424.3 /
+    291.2 for 64 keys in run 137 (another machine)."""
     env = os.environ.get("LODESTAR_ATTN_SHORT_PARTITION", "").strip()
     if not env:
         return SHORT_PARTITION
