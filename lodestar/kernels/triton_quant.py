@@ -1528,7 +1528,8 @@ if triton_enabled():
     def _q6k_lane(h, j):
         """The high 2 bits of code word j's four weights (4j .. 4j + 3 of a half) from a Q6_K
         half's word ``h`` (``Q6K_HIGH_ORDER``: bits 8b + 2j), at bits 4-5 of bytes 0..3. The
-        arithmetic shift's copies of bit 31 land above bit 31 after the left shift."""
+        arithmetic shift's copies of bit 31 end up above bit 31 or at bits 30-31, which the
+        mask clears."""
         return ((h >> (2 * j)) << 4) & 0x30303030
 
     @triton.jit

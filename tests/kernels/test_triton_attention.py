@@ -48,7 +48,7 @@ def test_decode_matches_reference(hq, hk, d, lens, window, dtype):
 
 
 @pytest.mark.parametrize("part", ["32", "128", "512", "1024"])
-def test_decode_with_longer_short_partitions_matches_reference(part, monkeypatch):
+def test_decode_with_other_short_partitions_matches_reference(part, monkeypatch):
     """LODESTAR_ATTN_SHORT_PARTITION: other partitions below SHORT_CONTEXT keys (at 32 in
     32-key steps; one for every short sequence at 1024), the long-context partitions beyond
     it unchanged."""
