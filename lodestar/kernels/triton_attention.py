@@ -108,26 +108,23 @@ def _num_sms(device: torch.device) -> int:
 
 def short_partition() -> int:
     """Keys per partition of a short context (at most ``SHORT_CONTEXT`` keys): env
-    ``LODESTAR_ATTN_SHORT_PARTITION`` (32, or a multiple of ``BLOCK_N`` up to
-    ``SHORT_CONTEXT``; at 32 the decode kernel steps through short partitions 32 keys at a
-    time, long ones still ``BLOCK_N``), unset: ``SHORT_PARTITION``. Read at each call.
-    Longer partitions mean fewer programs with work and fewer partials to combine; the
-    combine's grouping follows the partitions, so another value gives other fp32 rounding
-    (not the same bits).
+    ``LODESTAR_ATTN_SHORT_PARTITION`` (a multiple of ``BLOCK_N`` up to ``SHORT_CONTEXT``),
+    unset: ``SHORT_PARTITION``. Read at each call. Longer partitions mean fewer programs with
+    work and fewer partials to combine; the combine's grouping follows the partitions, so
+    another value gives other fp32 rounding (not the same bits).
 
     H200, 8B Q4_K one-stream decode at 128-384 keys against 64 in the same run, same greedy
-    tokens: 128 / 256 / 512 keys 559.2 / 528.4 / 517.4 against 580.3 tok/s (run 137); 32 in
-    this form 569.8 against 580.3, and slower at 640 and 896 keys of the context sweep,
-    549.8 / 531.2 against 566.9 / 560.1 (run 139). A kernel stepping 32 keys everywhere
-    (long partitions too; not kept) ran 586.6 against 579.9 at 128-384 keys (run 138), but
-    its sweep gave 493.8 / 408.6 / 283.8 tok/s at 1k / 8k / 32k against 513.7 / 424.3 /
-    291.2 for 64 keys in run 137 (another machine)."""
+    tokens: 128 / 256 / 512 keys 559.2 / 528.4 / 517.4 against 580.3 tok/s (run 137). Two
+    32-key forms, not kept: 32-key partitions stepped 32 keys at a time while long ones kept
+    64-key steps (both loops in one kernel, 153 registers) 569.8 against 580.3, slower at 640
+    and 896 keys too (run 139); 32-key steps everywhere 586.6 against 579.9 at 128-384 keys
+    (run 138), but 493.8 / 408.6 / 283.8 tok/s at 1k / 8k / 32k against 513.7 / 424.3 / 291.2
+    for 64 keys in run 137 (another machine)."""
     env = os.environ.get("LODESTAR_ATTN_SHORT_PARTITION", "").strip()
     if not env:
         return SHORT_PARTITION
-    if not env.isdigit() or (int(env) != 32 and (int(env) % BLOCK_N or not BLOCK_N <= int(env) <= SHORT_CONTEXT)):
-        raise ValueError(f"LODESTAR_ATTN_SHORT_PARTITION={env!r}; use 32 or a multiple of {BLOCK_N} up to "
-                         f"{SHORT_CONTEXT}")
+    if not env.isdigit() or int(env) % BLOCK_N or not BLOCK_N <= int(env) <= SHORT_CONTEXT:
+        raise ValueError(f"LODESTAR_ATTN_SHORT_PARTITION={env!r}; use a multiple of {BLOCK_N} up to {SHORT_CONTEXT}")
     return int(env)
 
 
@@ -312,8 +309,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), scale * LOG2E, win, max_partitions,
         out, counters, out.stride(0), out.stride(1), words, d1, sums,
         nk, nv, pos, cos, sin, slots, nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), cos.stride(0),
-        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, BLOCK_S=min(BLOCK_N, part_short),
-        PART=PARTITION, PART_SHORT=part_short,
+        G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=part_short,
         SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
         CHUNK=REDUCE_CHUNK, ROPE=new is not None, QUANT=quantize, INTERP=_INTERP,
         PREFETCH=launch["PDL"] != 0 and kv_prefetch(), PDL_SHORT_KEYS=ATTN_PDL_SHORT_KEYS, num_warps=4, **launch)
@@ -661,7 +657,7 @@ if triton_enabled():
                                stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cos,
                                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                BLOCK_N: tl.constexpr, PART: tl.constexpr, PART_SHORT: tl.constexpr,
-                               SHORT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                               SHORT: tl.constexpr, SPLITS: tl.constexpr,
                                IS_F32: tl.constexpr, DOT_F32: tl.constexpr, REDUCE: tl.constexpr,
                                CHUNK: tl.constexpr, ROPE: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr,
                                PREFETCH: tl.constexpr, PDL: tl.constexpr, PDL_SHORT_KEYS: tl.constexpr):
@@ -738,18 +734,11 @@ if triton_enabled():
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
-            if BLOCK_S < BLOCK_N and part == PART_SHORT:     # short partitions in steps of BLOCK_S keys
-                for j0 in range(_loop_bound(lo, INTERP), _loop_bound(hi, INTERP), BLOCK_S):
-                    offs_j, mask_j, s, v = _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks,
-                                                         stride_vs, qk_scale, BS, BLOCK_S, IS_F32, DOT_F32)
-                    s = tl.where(mask_j[None, :], s, float("-inf"))
-                    m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, IS_F32, False)
-            else:
-                for j0 in range(_loop_bound(lo, INTERP), _loop_bound(hi, INTERP), BLOCK_N):
-                    offs_j, mask_j, s, v = _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks,
-                                                         stride_vs, qk_scale, BS, BLOCK_N, IS_F32, DOT_F32)
-                    s = tl.where(mask_j[None, :], s, float("-inf"))
-                    m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, IS_F32, False)
+            for j0 in range(_loop_bound(lo, INTERP), _loop_bound(hi, INTERP), BLOCK_N):
+                offs_j, mask_j, s, v = _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks, stride_vs,
+                                                     qk_scale, BS, BLOCK_N, IS_F32, DOT_F32)
+                s = tl.where(mask_j[None, :], s, float("-inf"))
+                m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, IS_F32, False)
             idx = part_base + p
             tl.store(pm_ptr + idx, m_i, mask=mask_g)
             tl.store(pl_ptr + idx, l_i, mask=mask_g)
