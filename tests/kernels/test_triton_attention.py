@@ -478,3 +478,70 @@ def test_grid_splits_follow_the_programs_per_sm_setting(monkeypatch):
         monkeypatch.setenv("LODESTAR_ATTN_PROGRAMS_PER_SM", bad)
         with pytest.raises(ValueError, match="LODESTAR_ATTN_PROGRAMS_PER_SM"):
             ta.grid_splits(1, 2, cpu)
+
+
+def test_short_band_settings(monkeypatch):
+    """LODESTAR_ATTN_BAND (default SHORT_CONTEXT keys; 0 off) and ``band_splits``: one program
+    per partition of a call bounded within the band, else the general kernel (None)."""
+    monkeypatch.delenv("LODESTAR_ATTN_BAND", raising=False)
+    monkeypatch.delenv("LODESTAR_ATTN_SHORT_PARTITION", raising=False)
+    assert ta.short_band() == ta.SHORT_CONTEXT
+    assert ta.band_splits(384) == 6 and ta.band_splits(1) == 1 and ta.band_splits(ta.SHORT_CONTEXT) == 16
+    assert ta.band_splits(None) is None and ta.band_splits(0) is None
+    assert ta.band_splits(ta.SHORT_CONTEXT + 1) is None
+    monkeypatch.setenv("LODESTAR_ATTN_BAND", "512")
+    assert ta.band_splits(512) == 8 and ta.band_splits(513) is None
+    monkeypatch.setenv("LODESTAR_ATTN_BAND", "0")
+    assert ta.short_band() == 0 and ta.band_splits(100) is None
+    monkeypatch.delenv("LODESTAR_ATTN_BAND")
+    monkeypatch.setenv("LODESTAR_ATTN_SHORT_PARTITION", "128")     # partitions of two steps: no band form
+    assert ta.band_splits(100) is None
+    for bad in ("100", "2048", "x", "-64"):
+        monkeypatch.setenv("LODESTAR_ATTN_BAND", bad)
+        with pytest.raises(ValueError, match="LODESTAR_ATTN_BAND"):
+            ta.short_band()
+
+
+BAND_CASES = [  # (Hq, Hk, D, lens, window)
+    pytest.param(9, 3, 64, [1, 37, 64, 65, 300], None, id="smollm-gqa3"),
+    pytest.param(32, 8, 128, [5, 129, 384, 1024], None, id="llama8b-gqa4"),
+    pytest.param(4, 4, 64, [2, 200, 700], 100, id="gqa1-window"),
+]
+
+
+@pytest.mark.parametrize("hq,hk,d,lens,window", BAND_CASES)
+def test_short_band_kernel_keeps_the_bits(hq, hk, d, lens, window, monkeypatch):
+    """``decode_attention(max_keys=...)`` within the band (the kernel with one partition per
+    program, no loops) gives the general kernel's bits: output, both caches under
+    ``attn_rope``, the quantized rows under ``attn_quant``, with the reduce kernel or the
+    fused combine, bounded tightly or by the band; the counters are back at 0."""
+    from lodestar.kernels import triton_quant as tq
+    monkeypatch.delenv("LODESTAR_ATTN_BAND", raising=False)
+    monkeypatch.delenv("LODESTAR_ATTN_SHORT_PARTITION", raising=False)
+    dev = kernel_device()
+    dtype = torch.bfloat16
+    kc, vc, tables, sl, q, k, v, pos, slots = _decode_step(hq, hk, d, lens, dtype, dev, seed=13)
+    cos, sin = _rope_tables(d, max(lens) + 1, dev)
+    scale = d ** -0.5
+    parts = ta.num_partitions(tables.shape[1] * BS)
+    quant = d % 32 == 0
+    for fuse_reduce in (False, True):
+        for rope in (False, True):
+            runs = []
+            for bound in (None, max(lens), ta.SHORT_CONTEXT):
+                kc2, vc2 = kc.clone(), vc.clone()
+                new = ta.NewTokens(k, v, pos, slots, cos, sin) if rope else None
+                got = ta.decode_attention(q, kc2, vc2, tables, sl, BS, scale, window, parts, 4, new=new,
+                                          fuse_reduce=fuse_reduce, quantize=quant, max_keys=bound)
+                runs.append((got, kc2, vc2))
+            (want, kc_w, vc_w), *others = runs
+            for bound, (got, kc2, vc2) in zip((max(lens), ta.SHORT_CONTEXT), others):
+                case = (fuse_reduce, rope, bound)
+                if quant:
+                    assert isinstance(got, tq.QuantizedRows), case
+                    assert _same_bits(got.x, want.x) and torch.equal(got.words, want.words), case
+                    assert _same_bits(got.d1, want.d1) and _same_bits(got.sums, want.sums), case
+                else:
+                    assert _same_bits(got, want), case
+                assert _same_bits(kc2, kc_w) and _same_bits(vc2, vc_w), case
+    assert not ta.decode_counters(torch.device(dev)).any()
