@@ -724,7 +724,7 @@ def stage_profile(r: Results) -> None:
                 torch.cuda.synchronize()
                 walls[overlap] = (time.perf_counter() - t0) / steps
             wall = walls[True]
-            g = runner.decode_graph(1)
+            g = runner.graphs[1]["graph"]
             # GPU time of the graph replay inside the engine's steps (vs back to back below)
             inner, replay = [], g.replay
 
@@ -903,7 +903,7 @@ def stage_chain(r: Results) -> None:
             for _ in range(40):                      # prefill, then decode: graph for batch 1 captured
                 engine.step()
             torch.cuda.synchronize()
-            g = runner.decode_graph(1)
+            g = runner.graphs[1]["graph"]
             layers = engine.loaded.config.n_layers
             untraced = [ms * 1e3 for ms in replay_ms(g, 30)]
             replays = 10

@@ -6,10 +6,7 @@ buffers (token ids, positions, KV slots, block tables as wide as ``max_model_len
 needs, lengths) are filled on the host and copied in, padded rows write to a spare KV
 block that no sequence owns, and the graph runs the trunk and the head. Other steps
 (prefill, mixed, or more rows than the largest bucket) run eagerly. Logits stay on the
-device; the sampler reads them there. A bucket has a graph per context band: one whose
-decode attention knows that no row has more than ``triton_attention.short_band()`` keys
-(its short-band kernel, the same bits), used while every row's context fits it, and one
-for any context; both read the bucket's inputs, so a step may switch between them.
+device; the sampler reads them there.
 
 Prefill graphs (``prefill_graphs``, on by default with CUDA graphs): a step that
 prefills one whole prompt from position 0 (no cached prefix) replays a graph captured for
@@ -254,7 +251,7 @@ class ModelRunner:
                                 batch.block_tables.to(torch.int32).to(dev, non_blocking=True),
                                 batch.seq_lens.to(torch.int32).to(dev, non_blocking=True),
                                 num_partitions(max(batch.seq_lens_list)),
-                                grid_splits(batch.num_seqs, self.n_kv_heads, dev), max(batch.seq_lens_list))
+                                grid_splits(batch.num_seqs, self.n_kv_heads, dev))
 
     def _eager(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None
                ) -> torch.Tensor | None:
@@ -282,29 +279,11 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[rows.to(hidden.device)])
 
-    def _forward_logits(self, g: dict, batch: AttentionBatch | None = None) -> torch.Tensor:
-        hidden = self.model(g["ids"], g["positions"], g["batch"] if batch is None else batch)
+    def _forward_logits(self, g: dict) -> torch.Tensor:
+        hidden = self.model(g["ids"], g["positions"], g["batch"])
         return self.model.compute_logits(hidden)
 
-    def _band(self, seqs: list[Sequence]) -> int:
-        """The decode graph's band for these rows' next step: ``short_band()`` keys when every
-        row's context after the step fits it (and the full graph's context does not), else 0
-        (the graph for any context the block tables hold)."""
-        from lodestar.kernels.triton_attention import short_band
-        band = short_band()
-        if not band or band >= self.max_blocks * self.pool.block_size:
-            return 0
-        return band if max(s.num_computed for s in seqs) + 1 <= band else 0
-
-    def _capture(self, size: int, band: int = 0) -> dict:
-        """Capture the decode graph of batch size ``size`` for ``band`` (0: any context) and
-        return the size's graphs; every band's graph of one size reads the same inputs."""
-        g = self.graphs.get(size) or self._graph_inputs(size)
-        if band not in g["bands"]:
-            self._capture_band(g, band)
-        return g
-
-    def _graph_inputs(self, size: int) -> dict:
+    def _capture(self, size: int) -> dict:
         from lodestar.kernels.triton_attention import grid_splits, num_partitions
         dev, bs = self.device, self.pool.block_size
         # Row 0 is the graph's token-id input and, at its end, each row's greedy token (so a
@@ -319,37 +298,24 @@ class ModelRunner:
              "lens": torch.ones(size, dtype=torch.int32, device=dev),
              "tables": torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32, device=dev)}
         meta = GpuAttentionMeta(g["slots"], g["tables"], g["lens"], num_partitions(self.max_blocks * bs),
-                                grid_splits(size, self.n_kv_heads, dev), self.max_blocks * bs)
+                                grid_splits(size, self.n_kv_heads, dev))
         g["batch"] = AttentionBatch(g["slots"], g["tables"], g["lens"], torch.arange(size + 1), bs,
                                     [1] * size, [1] * size, gpu=meta)
-        g["bands"] = {}
-        self.graphs[size] = g
-        return g
-
-    def _capture_band(self, g: dict, band: int) -> None:
-        """Capture ``g``'s graph for ``band`` (``_band``): its attention knows that no row has
-        more than ``band`` keys (0: as many as the block tables hold)."""
-        dev, res = self.device, g["res"]
-        batch = g["batch"]
-        if band:
-            meta = batch.gpu
-            batch = AttentionBatch(g["slots"], g["tables"], g["lens"], torch.arange(g["size"] + 1),
-                                   self.pool.block_size, [1] * g["size"], [1] * g["size"],
-                                   gpu=GpuAttentionMeta(meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                                        meta.max_partitions, meta.splits, band))
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         # compile kernels, set up cuBLAS and reserve greedy_into's workspace outside the capture
         with torch.cuda.stream(stream):
             for _ in range(2):
-                greedy_into(self._forward_logits(g, batch), res)
+                greedy_into(self._forward_logits(g), res)
         torch.cuda.current_stream(dev).wait_stream(stream)
         res.zero_()
         graph = torch.cuda.CUDAGraph()
         with _no_gc(), torch.cuda.graph(graph):
-            logits = self._forward_logits(g, batch)
-            greedy_into(logits, res)
-        g["bands"][band] = {"graph": graph, "logits": logits}
+            g["logits"] = self._forward_logits(g)
+            greedy_into(g["logits"], res)
+        g["graph"] = graph
+        self.graphs[size] = g
+        return g
 
     def _staging(self, size: int) -> dict:
         """Pinned host buffers for one step's inputs, filled through numpy views."""
@@ -364,26 +330,14 @@ class ModelRunner:
                 "copied": copied}
 
     def capture(self, sizes: tuple[int, ...] = GRAPH_BATCH_SIZES) -> None:
-        """Capture decode graphs now (largest first, each band) instead of at first use."""
-        from lodestar.kernels.triton_attention import short_band
-        band = short_band()
-        bands = [0] + ([band] if band and band < self.max_blocks * self.pool.block_size else [])
+        """Capture decode graphs now (largest first) instead of at first use."""
         for size in sorted(sizes, reverse=True):
-            for b in bands:
-                self._capture(size, b)
+            if size not in self.graphs:
+                self._capture(size)
 
-    def _graph_for(self, seqs: list[Sequence]) -> tuple[dict, dict]:
-        """(the size's graphs and inputs, the band's graph) for a decode step of ``seqs``."""
-        size = next(b for b in GRAPH_BATCH_SIZES if b >= len(seqs))
-        band = self._band(seqs)
-        g = self._capture(size, band)
-        g["last_band"] = band
-        return g, g["bands"][band]
-
-    def decode_graph(self, size: int) -> "torch.cuda.CUDAGraph":
-        """The CUDA graph that the last decode step of batch-size bucket ``size`` replayed."""
-        g = self.graphs[size]
-        return g["bands"][g["last_band"]]["graph"]
+    def _graph_for(self, n: int) -> dict:
+        size = next(b for b in GRAPH_BATCH_SIZES if b >= n)
+        return self.graphs.get(size) or self._capture(size)
 
     def _stage(self, g: dict, seqs: list[Sequence], host_ids: bool) -> None:
         """Copy the rows' positions, KV slots, lengths and block tables (and their token ids
@@ -418,11 +372,11 @@ class ModelRunner:
         st["copied"].record()
 
     def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
-        g, bg = self._graph_for(seqs)
+        g = self._graph_for(len(seqs))
         self._stage(g, seqs, host_ids=True)
-        bg["graph"].replay()
+        g["graph"].replay()
         self.graph_replays += 1
-        return bg["logits"][:len(seqs)].clone()
+        return g["logits"][:len(seqs)].clone()
 
     # -- overlapped decode -------------------------------------------------------------
     @property
@@ -449,11 +403,11 @@ class ModelRunner:
             raise ValueError("a step fed from the device needs the previous step's rows, in order")
         if self.device.type == "cpu":
             return self._launch_cpu(seqs, prev)
-        g, bg = self._graph_for(seqs)
+        g = self._graph_for(len(seqs))
         if prev is not None and prev.graph is not g:
-            raise ValueError("a step fed from the device must replay a graph of the previous step's batch size")
+            raise ValueError("a step fed from the device must replay the previous step's graph")
         self._stage(g, seqs, host_ids=prev is None)
-        bg["graph"].replay()
+        g["graph"].replay()
         self.graph_replays += 1
         out, done = g["outs"][g["out"]]
         g["out"] ^= 1

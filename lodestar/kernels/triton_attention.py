@@ -18,13 +18,6 @@ Decode (one new token per sequence), ``decode_attention`` [``decode_attention_re
     kernel (``block = table[key // block_size]``); sliding windows start the context at
     ``max(0, len - window)``.
 
-    The short band (``short_band``, ``band_splits``): a caller that knows every sequence
-    has at most ``max_keys`` keys, within the band (``SHORT_CONTEXT`` by default), gets the
-    partial kernel's short-band form: one program per partition, each partition one step,
-    so no loop is compiled; the partials are the general kernel's, bit for bit. The model
-    runner captures a decode graph per band (one for contexts within it, one for any
-    context) and an eager step passes its longest context.
-
     Launch (``attention_pdl``, ``kv_prefetch``): under programmatic dependent launch the
     first kernel is launched early and, before its wait, asks L2 for the keys and values
     of each program's first partition (lengths and block tables are step inputs). A program
@@ -133,34 +126,6 @@ def short_partition() -> int:
     if not env.isdigit() or int(env) % BLOCK_N or not BLOCK_N <= int(env) <= SHORT_CONTEXT:
         raise ValueError(f"LODESTAR_ATTN_SHORT_PARTITION={env!r}; use a multiple of {BLOCK_N} up to {SHORT_CONTEXT}")
     return int(env)
-
-
-def short_band() -> int:
-    """The short band's bound in keys: a decode call whose sequences are known to have at
-    most this many keys each (``decode_attention(max_keys=...)``: a CUDA graph captured for
-    the band, or an eager step) runs the short-band form of the partial kernel
-    (``band_splits``). Env ``LODESTAR_ATTN_BAND`` (a multiple of ``BLOCK_N`` up to
-    ``SHORT_CONTEXT``; 0: no band, every call runs the general kernel), unset:
-    ``SHORT_CONTEXT``. Read at each call. Same bits either way."""
-    env = os.environ.get("LODESTAR_ATTN_BAND", "").strip()
-    if not env:
-        return SHORT_CONTEXT
-    if not env.isdigit() or int(env) % BLOCK_N or int(env) > SHORT_CONTEXT:
-        raise ValueError(f"LODESTAR_ATTN_BAND={env!r}; use 0 or a multiple of {BLOCK_N} up to {SHORT_CONTEXT}")
-    return int(env)
-
-
-def band_splits(max_keys: int | None) -> int | None:
-    """Programs per (sequence, kv head) of the short-band partial kernel for a call whose
-    sequences have at most ``max_keys`` keys each: one per partition (each partition one
-    step of ``BLOCK_N`` keys, so a program computes at most one partial, without loops), or
-    None when the general kernel runs (no bound known, a bound above ``short_band()``, or
-    short partitions longer than one step). The partials are those of the general kernel:
-    the same partitions, each computed by the same operations."""
-    band = short_band()
-    if not max_keys or not band or max_keys > band or short_partition() != BLOCK_N:
-        return None
-    return -(-max_keys // BLOCK_N)
 
 
 def num_partitions(max_context: int) -> int:
@@ -283,8 +248,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      window: int | None = None, max_partitions: int | None = None,
                      splits: int | None = None, new: NewTokens | None = None,
                      fuse_reduce: bool | None = None, counters: torch.Tensor | None = None,
-                     quantize: bool = False, max_keys: int | None = None,
-                     after_partials=None) -> torch.Tensor | QuantizedRows:
+                     quantize: bool = False) -> torch.Tensor | QuantizedRows:
     """Attention of one query per sequence over its paged context.
 
     ``q [B, Hq, D]``; caches ``[slots, Hk, D]``; ``block_tables [B, W]`` and ``seq_lens [B]``
@@ -298,23 +262,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``counters`` (default ``decode_counters(q.device)``; at least B * Hk int32 zeros, left
     at zero). ``quantize`` (fusion ``attn_quant``; bf16, D a multiple of 32): returns
     ``QuantizedRows`` of the output as ``[B, Hq * D]`` rows, quantized by the kernel that
-    writes them (the bits of ``quantize_x``). ``max_keys``: no sequence has more keys than
-    this (the caller's promise, not checked: keys past it would be left out); within
-    ``short_band()`` the short-band kernel runs (``band_splits``; ``max_partitions`` and
-    ``splits`` are then its own), with the same bits. ``after_partials``: called (no
-    arguments) once the partial kernel is launched, before the reduce kernel.
+    writes them (the bits of ``quantize_x``).
     """
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
     G = Hq // Hk
-    if splits is None:
-        splits = grid_splits(B, Hk, q.device)
-    one = band_splits(max_keys)
-    if one is not None:
-        max_partitions = one
-        splits = max(splits, one)
     if max_partitions is None:
         max_partitions = num_partitions(block_tables.shape[1] * block_size)
+    if splits is None:
+        splits = grid_splits(B, Hk, q.device)
     if fuse_reduce is None:
         fuse_reduce = "attn_reduce" in fusions()
     part_o = torch.empty(B, Hq, max_partitions, D, device=q.device, dtype=torch.float32)
@@ -356,10 +312,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         G=G, G_PAD=g_pad, D=D, BS=block_size, BLOCK_N=BLOCK_N, PART=PARTITION, PART_SHORT=part_short,
         SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
         CHUNK=REDUCE_CHUNK, ROPE=new is not None, QUANT=quantize, INTERP=_INTERP,
-        PREFETCH=launch["PDL"] != 0 and kv_prefetch(), PDL_SHORT_KEYS=ATTN_PDL_SHORT_KEYS, ONE=one is not None,
-        num_warps=4, **launch)
-    if after_partials is not None:
-        after_partials()
+        PREFETCH=launch["PDL"] != 0 and kv_prefetch(), PDL_SHORT_KEYS=ATTN_PDL_SHORT_KEYS, num_warps=4, **launch)
     if not fuse_reduce:
         _decode_reduce_kernel[(B, Hq)](
             part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), words, d1, sums, win,
@@ -707,14 +660,9 @@ if triton_enabled():
                                SHORT: tl.constexpr, SPLITS: tl.constexpr,
                                IS_F32: tl.constexpr, DOT_F32: tl.constexpr, REDUCE: tl.constexpr,
                                CHUNK: tl.constexpr, ROPE: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr,
-                               PREFETCH: tl.constexpr, PDL: tl.constexpr, PDL_SHORT_KEYS: tl.constexpr,
-                               ONE: tl.constexpr = False):
+                               PREFETCH: tl.constexpr, PDL: tl.constexpr, PDL_SHORT_KEYS: tl.constexpr):
         """Program (sequence b, kv head, split): the partials of partitions split, split +
         SPLITS, ... for the G query heads of the kv head (see the module docstring).
-
-        ONE (the short band, ``band_kernel``): every visible context has at most SHORT keys,
-        PART_SHORT == BLOCK_N and SPLITS covers every partition, so a program owns at most
-        partition ``split``, one step long: the same partial, in straight-line code.
 
         ROPE: ``q``, ``nk``, ``nv`` are this step's un-rotated query, key and value (one token
         per sequence): every program rotates its G query heads in registers; the program
@@ -742,10 +690,7 @@ if triton_enabled():
             _pdl_enter(PDL)
             L = tl.load(lens_ptr + b)
         start = tl.maximum(L - window, 0)
-        if ONE:
-            part = PART_SHORT
-        else:
-            part = _partition(L - start, PART, PART_SHORT, SHORT)
+        part = _partition(L - start, PART, PART_SHORT, SHORT)
         n_parts = tl.cdiv(L - start, part)
         Hq = tl.num_programs(1) * G
         offs_g = tl.arange(0, G_PAD)
@@ -783,37 +728,21 @@ if triton_enabled():
                 tl.store(v_head + new_slot * stride_vs + offs_d, v_new.to(v_ptr.dtype.element_ty))
                 tl.debug_barrier()      # every thread's stores are seen by the block loads below
         part_base = (b * Hq + heads).to(tl.int64) * max_parts                       # [G_PAD]
-        if ONE:
-            if split < n_parts:
-                lo = start + split * PART_SHORT
-                hi = tl.minimum(lo + PART_SHORT, L)
-                m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-                l_i = tl.zeros([G_PAD], tl.float32)
-                acc = tl.zeros([G_PAD, D], tl.float32)
-                offs_j, mask_j, s, v = _paged_scores(q, k_head, v_head, table, lo, hi, offs_d, stride_ks, stride_vs,
+        for p in range(_loop_bound(split, INTERP), _loop_bound(n_parts, INTERP), SPLITS):
+            lo = start + p * part
+            hi = tl.minimum(lo + part, L)
+            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, D], tl.float32)
+            for j0 in range(_loop_bound(lo, INTERP), _loop_bound(hi, INTERP), BLOCK_N):
+                offs_j, mask_j, s, v = _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks, stride_vs,
                                                      qk_scale, BS, BLOCK_N, IS_F32, DOT_F32)
                 s = tl.where(mask_j[None, :], s, float("-inf"))
                 m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, IS_F32, False)
-                idx = part_base + split
-                tl.store(pm_ptr + idx, m_i, mask=mask_g)
-                tl.store(pl_ptr + idx, l_i, mask=mask_g)
-                tl.store(po_ptr + idx[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
-        else:
-            for p in range(_loop_bound(split, INTERP), _loop_bound(n_parts, INTERP), SPLITS):
-                lo = start + p * part
-                hi = tl.minimum(lo + part, L)
-                m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-                l_i = tl.zeros([G_PAD], tl.float32)
-                acc = tl.zeros([G_PAD, D], tl.float32)
-                for j0 in range(_loop_bound(lo, INTERP), _loop_bound(hi, INTERP), BLOCK_N):
-                    offs_j, mask_j, s, v = _paged_scores(q, k_head, v_head, table, j0, hi, offs_d, stride_ks, stride_vs,
-                                                         qk_scale, BS, BLOCK_N, IS_F32, DOT_F32)
-                    s = tl.where(mask_j[None, :], s, float("-inf"))
-                    m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, IS_F32, False)
-                idx = part_base + p
-                tl.store(pm_ptr + idx, m_i, mask=mask_g)
-                tl.store(pl_ptr + idx, l_i, mask=mask_g)
-                tl.store(po_ptr + idx[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
+            idx = part_base + p
+            tl.store(pm_ptr + idx, m_i, mask=mask_g)
+            tl.store(pl_ptr + idx, l_i, mask=mask_g)
+            tl.store(po_ptr + idx[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
         if REDUCE:
             # Only the programs that own a partition take a ticket. Every thread's partials
             # are stored before it (barrier, then a release); the last arrival reads the

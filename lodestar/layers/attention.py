@@ -40,7 +40,6 @@ class GpuAttentionMeta:
     seq_lens: torch.Tensor          # [S] int32
     max_partitions: int             # decode partitions of the longest possible context
     splits: int                     # decode programs per (sequence, kv head)
-    max_keys: int = 0               # no sequence has more keys (0: not known); see decode_attention
 
 
 @dataclass
@@ -183,7 +182,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float,
                     sliding_window: int | None = None, new: NewTokens | None = None,
-                    quantize: bool = False, after_partials=None) -> torch.Tensor | QuantizedRows:
+                    quantize: bool = False) -> torch.Tensor | QuantizedRows:
     """Attention of new queries ``q [T, Hq, D]`` over each sequence's cached context.
 
     Returns ``[T, Hq, Dv]``. The new tokens' K/V must already be written to the cache,
@@ -192,13 +191,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``quantize`` (the caller's output projection takes ``QuantizedRows``): a GPU decode step
     with fusion ``attn_quant`` on, bf16 output and ``quantizable`` rows returns
     ``QuantizedRows`` ``[T, Hq * Dv]`` (the kernel quantized its output); otherwise as above.
-    ``after_partials``: called (no arguments) once a GPU decode step's partial kernel is
-    launched, else once the attention is computed.
     """
     if batch.gpu is not None:
-        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window, new, quantize, after_partials)
-    if after_partials is not None:
-        after_partials()
+        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window, new, quantize)
     if new is not None:
         raise ValueError("paged_attention(new=...) is for GPU decode steps only")
     plans = batch._seq_plans(sliding_window)
@@ -269,7 +264,7 @@ def decode_new_tokens(batch: AttentionBatch, positions: torch.Tensor, q: torch.T
 
 def _gpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                    scale: float, sliding_window: int | None, new: NewTokens | None = None,
-                   quantize: bool = False, after_partials=None) -> torch.Tensor | QuantizedRows:
+                   quantize: bool = False) -> torch.Tensor | QuantizedRows:
     from lodestar.kernels import triton_attention as ta
     if new is None:
         q = q.to(k_cache.dtype)
@@ -281,10 +276,7 @@ def _gpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             quantize = ("attn_quant" in fusions() and q.dtype == torch.bfloat16 and D % GROUP == 0
                         and quantizable(T, Hq * D))
         return ta.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, batch.block_size, scale,
-                                   sliding_window, g.max_partitions, g.splits, new=new, quantize=quantize,
-                                   max_keys=g.max_keys or None, after_partials=after_partials)
-    if after_partials is not None:
-        after_partials()
+                                   sliding_window, g.max_partitions, g.splits, new=new, quantize=quantize)
     if new is not None:
         raise ValueError("paged_attention(new=...) is for decode steps (one new token per sequence) only")
     return ta.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window)

@@ -312,20 +312,6 @@ def launch_early(site: str, module: object = None, rows: int = 0) -> bool:
     return site in sites
 
 
-SIDE_FORKS = ("qkv", "partials", "attn")
-
-
-def side_fork() -> str:
-    """Where a layer forks its side prefetch (``fork_side_prefetch``) on the q|k|v path that
-    rotates and stores in the projection: ``qkv`` (once the q|k|v projection is launched),
-    ``partials`` (once decode attention's partial kernel is), ``attn`` (once the attention
-    is). Env ``LODESTAR_SIDE_FORK``, unset: ``qkv``; read at each call. Same bits."""
-    env = os.environ.get("LODESTAR_SIDE_FORK", "").strip() or "qkv"
-    if env not in SIDE_FORKS:
-        raise ValueError(f"LODESTAR_SIDE_FORK={env!r}; use one of {', '.join(SIDE_FORKS)}")
-    return env
-
-
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _SIDE_PENDING: set[torch.device] = set()
 

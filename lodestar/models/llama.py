@@ -100,21 +100,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 after_qkv=None) -> torch.Tensor:
-        """``after_qkv``: called (no arguments) once the q|k|v projection is launched, or
-        later where ``side_fork()`` says (after the attention's partial kernel, or after the
-        attention)."""
+        """``after_qkv``: called (no arguments) once the q|k|v projection is launched."""
         T = x.shape[0]
         rope = self._rope_store(x, positions, batch)
         if rope is not None:    # rotated and stored by the projection's kernel
-            from lodestar.layers.cuda_linear import side_fork, takes_quantized_input
-            fork = side_fork() if after_qkv is not None else ""
+            from lodestar.layers.cuda_linear import takes_quantized_input
             q = self.qkv.forward_rope(x, rope)[:, :self.sizes[0]].view(T, self.n_heads, self.head_dim)
-            if fork == "qkv":
+            if after_qkv is not None:
                 after_qkv()
             o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, None,
-                                takes_quantized_input(self.o), after_partials=after_qkv if fork == "partials" else None)
-            if fork == "attn":
-                after_qkv()
+                                takes_quantized_input(self.o))
             return self.o(o.reshape(T, -1) if isinstance(o, torch.Tensor) else o)
         q, k, v = split_fused(self.qkv, x, self.sizes)
         if after_qkv is not None:

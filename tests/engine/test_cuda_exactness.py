@@ -130,31 +130,6 @@ def test_graphs_and_batching_match_eager_single_stream(gpu_engine):
     assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
 
 
-def test_decode_bands_match_the_general_kernel(gpu_engine, monkeypatch):
-    """Rows whose context crosses the short band's bound mid-decode (``LODESTAR_ATTN_BAND``
-    = 128 here) replay the band's graph, then the general one, alone and batched, and give
-    the tokens of eager decode without any band; both graphs of the batched bucket exist."""
-    vocab = gpu_engine.loaded.config.vocab_size
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (100, 120, 64)]
-    steps = 40
-    runner = gpu_engine.runner
-    runner.graphs.clear()
-    monkeypatch.setenv("LODESTAR_ATTN_BAND", "0")
-    want = _decode(gpu_engine, prompts, steps, graphs=False, together=False)
-    monkeypatch.setenv("LODESTAR_ATTN_BAND", "128")
-    for together in (False, True):
-        got = _decode(gpu_engine, prompts, steps, graphs=True, together=together)
-        for i, (a, b) in enumerate(zip(want, got)):
-            if a != b:
-                step = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-                pytest.fail(f"together={together}: prompt {i} first differs from eager at step {step}")
-    assert set(runner.graphs[4]["bands"]) == {0, 128}
-    assert set(runner.graphs[1]["bands"]) == {0, 128}
-    runner.graphs.clear()           # the other tests capture at the default band
-    assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
-
-
 def test_engine_generates_on_cuda(gpu_engine):
     from lodestar.engine.sampling import SamplingParams
     vocab = gpu_engine.loaded.config.vocab_size
