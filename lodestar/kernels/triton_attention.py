@@ -313,7 +313,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         SHORT=SHORT_CONTEXT, SPLITS=splits, IS_F32=is_f32, DOT_F32=interpreted(), REDUCE=fuse_reduce,
         CHUNK=REDUCE_CHUNK, ROPE=new is not None, QUANT=quantize, INTERP=_INTERP,
         PREFETCH=launch["PDL"] != 0 and kv_prefetch(), PDL_SHORT_KEYS=ATTN_PDL_SHORT_KEYS, num_warps=4, **launch)
-    if not fuse_reduce and "reduce" not in os.environ.get("LODESTAR_PROBE_SKIP", ""):    # timing probe only
+    if not fuse_reduce:
         _decode_reduce_kernel[(B, Hq)](
             part_o, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1), words, d1, sums, win,
             max_partitions, Hq, D=D, PART=PARTITION, PART_SHORT=part_short, SHORT=SHORT_CONTEXT,

@@ -172,21 +172,8 @@ class LlamaMLP(nn.Module):
             from lodestar.kernels.triton_dense import SILU
             from lodestar.kernels.triton_quant import fusions
             from lodestar.layers.cuda_linear import CudaQuantLinear, launch_early, prefetch_arrays, takes_glu_quant
-            import os
             if takes_glu_quant(self.gate_up, x, self.ffn_dim):
                 act = self.gate_up.forward_glu_quant(x, self.ffn_dim, SILU)
-            elif "glu" in os.environ.get("LODESTAR_PROBE_SKIP", ""):
-                # timing probe only (wrong tokens): down reads a buffer no kernel writes
-                from lodestar.kernels.triton_quant import QuantizedRows
-                self.gate_up(x)
-                T = x.shape[0] if isinstance(x, torch.Tensor) else x.x.shape[0]
-                key = (T, self.ffn_dim)
-                if getattr(self, "_probe", None) is None or self._probe[0] != key:
-                    dev = self.down.weight.device
-                    bufs = [b.zero_() for b in QuantizedRows.empty(T, self.ffn_dim, dev)]
-                    self._probe = (key, QuantizedRows(torch.zeros(T, self.ffn_dim, device=dev, dtype=torch.bfloat16),
-                                                      *bufs))
-                act = self._probe[1]
             else:
                 gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
                 act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down, "down"),
