@@ -23,8 +23,11 @@ maximal logit, as the sampler's plain greedy path picks it) in its own token-id 
 copies the tokens to pinned host memory behind an event. So the engine can queue the next
 step, fed from the device, before it has read this step's tokens: the GPU runs step N+1
 while the host detokenizes step N. Host staging and result buffers alternate between two
-sets, so filling one step's inputs never waits for the step still queued. On the CPU
-``launch`` runs the step at once (same results; only the device path gains speed).
+sets, so filling one step's inputs never waits for the step still queued. A step's
+positions, KV slots, lengths and block tables sit in one device buffer laid out as its
+staging buffer, so they usually reach the device in one copy (``STAGE_ONE_COPY_BYTES``).
+On the CPU ``launch`` runs the step at once (same results; only the device path gains
+speed).
 """
 from __future__ import annotations
 
@@ -42,6 +45,14 @@ from lodestar.engine.sequence import Sequence
 from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# A decode step's inputs go to the device in one copy when it is at most this long: each
+# copy costs the step's stream a few microseconds however small it is. H200 run 150, one
+# stream, against a copy per input (``LODESTAR_STAGE_COPIES=apart``), same tokens: 8B Q4_K
+# 582.0 / 582.0 -> 583.6 / 584.3 tok/s, Q4_0 611.8 / 613.1 -> 615.3 / 615.5, SmolLM2-135M F16
+# 1,720.5 / 1,712.7 -> 1,732.6 / 1,745.6. With no input copy at all (a timing probe whose
+# steps replayed stale inputs, run 149): 8B Q4_K 581.4 -> 586.3 / 587.9, SmolLM2 F16 1,718 ->
+# 1,757: what is left would take the inputs' update onto the device itself.
+STAGE_ONE_COPY_BYTES = 64 << 10
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
@@ -292,11 +303,15 @@ class ModelRunner:
         g = {"size": size, "stages": [self._staging(size) for _ in range(2)], "stage": 0,
              "outs": [(torch.zeros(2, size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
                       for _ in range(2)], "out": 0,
-             "res": res, "ids": res[0],
-             "positions": torch.zeros(size, dtype=torch.int64, device=dev),
-             "slots": torch.full((size,), self.spare_block * bs, dtype=torch.int64, device=dev),
-             "lens": torch.ones(size, dtype=torch.int32, device=dev),
-             "tables": torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32, device=dev)}
+             "res": res, "ids": res[0]}
+        # positions, slots, lengths and block tables share one device buffer laid out as the
+        # staging one (``_input_views``), so that a step's inputs usually go in one copy
+        g["raw"] = torch.empty(self._input_bytes(size), dtype=torch.uint8, device=dev)
+        g.update(self._input_views(g["raw"], size))
+        g["positions"].zero_()
+        g["slots"].fill_(self.spare_block * bs)
+        g["lens"].fill_(1)
+        g["tables"].fill_(self.spare_block)
         meta = GpuAttentionMeta(g["slots"], g["tables"], g["lens"], num_partitions(self.max_blocks * bs),
                                 grid_splits(size, self.n_kv_heads, dev))
         g["batch"] = AttentionBatch(g["slots"], g["tables"], g["lens"], torch.arange(size + 1), bs,
@@ -317,17 +332,32 @@ class ModelRunner:
         self.graphs[size] = g
         return g
 
+    @staticmethod
+    def _tables_offset(size: int) -> int:
+        return (20 * size + 15) // 16 * 16
+
+    def _input_bytes(self, size: int) -> int:
+        return self._tables_offset(size) + 4 * size * self.max_blocks
+
+    def _input_views(self, raw: torch.Tensor, size: int) -> dict:
+        """A graph's step inputs as views of one byte buffer: positions and KV slots (int64),
+        lengths (int32), then the block tables (int32 ``[size, max_blocks]``, 16-byte aligned)."""
+        t0 = self._tables_offset(size)
+        return {"positions": raw[:8 * size].view(torch.int64), "slots": raw[8 * size:16 * size].view(torch.int64),
+                "lens": raw[16 * size:20 * size].view(torch.int32),
+                "tables": raw[t0:].view(torch.int32).view(size, self.max_blocks)}
+
     def _staging(self, size: int) -> dict:
-        """Pinned host buffers for one step's inputs, filled through numpy views."""
-        bs = self.pool.block_size
-        i64 = torch.zeros(3, size, dtype=torch.int64, pin_memory=True)      # ids, positions, slots
-        i64[2].fill_(self.spare_block * bs)
+        """Pinned host buffers for one step's inputs (the token ids; the rest laid out as the
+        graph's device buffer), filled through numpy views."""
+        raw = torch.zeros(self._input_bytes(size), dtype=torch.uint8, pin_memory=True)
+        st = self._input_views(raw, size)
+        st["slots"].fill_(self.spare_block * self.pool.block_size)
+        st["lens"].fill_(1)
+        st["tables"].fill_(self.spare_block)
         copied = torch.cuda.Event()
         copied.record()
-        return {"i64": i64, "lens": torch.ones(size, dtype=torch.int32, pin_memory=True),
-                "tables": torch.full((size, self.max_blocks), self.spare_block, dtype=torch.int32,
-                                     pin_memory=True),
-                "copied": copied}
+        return {**st, "raw": raw, "ids": torch.zeros(size, dtype=torch.int64, pin_memory=True), "copied": copied}
 
     def capture(self, sizes: tuple[int, ...] = GRAPH_BATCH_SIZES) -> None:
         """Capture decode graphs now (largest first) instead of at first use."""
@@ -346,29 +376,39 @@ class ModelRunner:
         st = g["stages"][g["stage"]]
         g["stage"] ^= 1
         st["copied"].synchronize()           # this set's previous copies have read it (two steps ago)
-        i64, lens, tables = st["i64"].numpy(), st["lens"].numpy(), st["tables"].numpy()
+        ids, positions, slots = st["ids"].numpy(), st["positions"].numpy(), st["slots"].numpy()
+        lens, tables = st["lens"].numpy(), st["tables"].numpy()
         width = 1
         for r, s in enumerate(seqs):
             pos = s.num_computed
             bt = s.block_table
             if host_ids:
-                i64[0, r] = s.token_slice(pos, pos + 1)[0]
-            i64[1, r] = pos
-            i64[2, r] = bt[pos // bs] * bs + pos % bs
+                ids[r] = s.token_slice(pos, pos + 1)[0]
+            positions[r] = pos
+            slots[r] = bt[pos // bs] * bs + pos % bs
             lens[r] = pos + 1
             tables[r, :len(bt)] = bt
             width = max(width, len(bt))
-        i64[0, n:] = 0
-        i64[1, n:] = 0
-        i64[2, n:] = self.spare_block * bs
+        ids[n:] = 0
+        positions[n:] = 0
+        slots[n:] = self.spare_block * bs
         lens[n:] = 1
         tables[n:, 0] = self.spare_block
         if host_ids:
-            g["ids"].copy_(st["i64"][0], non_blocking=True)
-        g["positions"].copy_(st["i64"][1], non_blocking=True)
-        g["slots"].copy_(st["i64"][2], non_blocking=True)
-        g["lens"].copy_(st["lens"], non_blocking=True)
-        g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)
+            g["ids"].copy_(st["ids"], non_blocking=True)
+        # one copy up to the last table column in use (the columns past a row's own blocks
+        # are never read), unless that spans many unused columns of a large batch
+        size = g["size"]
+        end = self._tables_offset(size) + 4 * ((size - 1) * self.max_blocks + width)
+        if os.environ.get("LODESTAR_STAGE_COPIES", "").strip() == "apart":     # the form before, for A/B
+            for key in ("positions", "slots", "lens"):
+                g[key].copy_(st[key], non_blocking=True)
+            g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)
+        elif end <= STAGE_ONE_COPY_BYTES:
+            g["raw"][:end].copy_(st["raw"][:end], non_blocking=True)
+        else:
+            g["raw"][:20 * size].copy_(st["raw"][:20 * size], non_blocking=True)
+            g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)
         st["copied"].record()
 
     def _replay(self, seqs: list[Sequence]) -> torch.Tensor:

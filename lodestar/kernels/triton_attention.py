@@ -119,7 +119,11 @@ def short_partition() -> int:
     64-key steps (both loops in one kernel, 153 registers) 569.8 against 580.3, slower at 640
     and 896 keys too (run 139); 32-key steps everywhere 586.6 against 579.9 at 128-384 keys
     (run 138), but 493.8 / 408.6 / 283.8 tok/s at 1k / 8k / 32k against 513.7 / 424.3 / 291.2
-    for 64 keys in run 137 (another machine)."""
+    for 64 keys in run 137 (another machine); with Triton's ``num_stages=5`` for the partial
+    kernel (run 144, same run): 585.4 against 579.4 / 579.6, and 509.4 / 467.3 / 420.6 /
+    289.3 at 1k / 4k / 8k / 32k against 513.6 / 468.4 / 424.6 / 290.7. A short-band kernel
+    (one graph per context band, one 64-key partition per program without loops, same bits;
+    7dacb36): 556.0 against 579.4 (run 141)."""
     env = os.environ.get("LODESTAR_ATTN_SHORT_PARTITION", "").strip()
     if not env:
         return SHORT_PARTITION

@@ -1010,7 +1010,11 @@ def side_prefetch_limit() -> int:
     first (run 74: Q4_0 588.8 -> 590.1, Q4_K 555.7 -> 536.0), the fork before q|k|v (576.4,
     Q4_K 538.4), an evict-last hint on the prefetch (run 72: 582.2 against ~581 without).
     Shipped with q|k|v launched early (run 77, against neither): Q4_0 560.5 -> 575.2, Q4_K
-    534.4 -> 551.2; Llama-3.2-1B Q4_0 (run 76) 1,828.9 -> 1,832.4."""
+    534.4 -> 551.2; Llama-3.2-1B Q4_0 (run 76) 1,828.9 -> 1,832.4. Run 143, 8B Q4_K against
+    580.2: off 547.9, forked after decode attention's partial kernel 548.3, after the
+    attention 559.0. Run 145: the o projection's first 2 / 4 / 9 MiB asked for too, before
+    gate|up's, 554.7 / 561.4 / 562.4 against 579.0 / 580.0. Run 146: the kernel in 4 / 1 / 128
+    programs instead of ``SIDE_PREFETCH_PROGRAMS`` (32) 561.9 / 399.8 / 576.0 against 580.4."""
     return _env_mib("LODESTAR_SIDE_PREFETCH", SIDE_PREFETCH_DEFAULT_MB)
 
 

@@ -130,6 +130,25 @@ def test_graphs_and_batching_match_eager_single_stream(gpu_engine):
     assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
 
 
+@pytest.mark.parametrize("one_copy,form", [(0, ""), (1 << 30, ""), (1 << 30, "apart")],
+                         ids=["two-copies", "one-copy", "apart"])
+def test_graph_inputs_in_one_or_two_copies(gpu_engine, one_copy, form, monkeypatch):
+    """A decode step's inputs reach the graph in one copy of the staging buffer, in two
+    (positions, slots and lengths, then the used table columns) past
+    ``STAGE_ONE_COPY_BYTES``, or one copy each (``LODESTAR_STAGE_COPIES=apart``): the same
+    tokens as eager decode, alone and batched with padded rows."""
+    from lodestar.engine import model_runner
+    monkeypatch.setattr(model_runner, "STAGE_ONE_COPY_BYTES", one_copy)
+    monkeypatch.setenv("LODESTAR_STAGE_COPIES", form)
+    vocab = gpu_engine.loaded.config.vocab_size
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (12, 47, 90)]
+    steps = 24
+    eager = _decode(gpu_engine, prompts, steps, graphs=False, together=False)
+    for together in (False, True):
+        assert _decode(gpu_engine, prompts, steps, graphs=True, together=together) == eager, together
+
+
 def test_engine_generates_on_cuda(gpu_engine):
     from lodestar.engine.sampling import SamplingParams
     vocab = gpu_engine.loaded.config.vocab_size
