@@ -53,6 +53,16 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # steps replayed stale inputs, run 149): 8B Q4_K 581.4 -> 586.3 / 587.9, SmolLM2 F16 1,718 ->
 # 1,757: what is left would take the inputs' update onto the device itself.
 STAGE_ONE_COPY_BYTES = 64 << 10
+
+
+def stage_copies() -> str:
+    """How a graph's decode inputs are copied in: env ``LODESTAR_STAGE_COPIES``, unset or
+    ``one``: in one copy (two past ``STAGE_ONE_COPY_BYTES``); ``apart``: a copy per input, the
+    form before (for an A/B). Read at each step; same results."""
+    env = os.environ.get("LODESTAR_STAGE_COPIES", "").strip() or "one"
+    if env not in ("one", "apart"):
+        raise ValueError(f"LODESTAR_STAGE_COPIES={env!r}; use one or apart")
+    return env
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
@@ -334,6 +344,7 @@ class ModelRunner:
 
     @staticmethod
     def _tables_offset(size: int) -> int:
+        """Byte offset of the block tables in a graph's input buffer (``_input_views``)."""
         return (20 * size + 15) // 16 * 16
 
     def _input_bytes(self, size: int) -> int:
@@ -400,7 +411,7 @@ class ModelRunner:
         # are never read), unless that spans many unused columns of a large batch
         size = g["size"]
         end = self._tables_offset(size) + 4 * ((size - 1) * self.max_blocks + width)
-        if os.environ.get("LODESTAR_STAGE_COPIES", "").strip() == "apart":     # the form before, for A/B
+        if stage_copies() == "apart":     # the form before, for A/B
             for key in ("positions", "slots", "lens"):
                 g[key].copy_(st[key], non_blocking=True)
             g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)

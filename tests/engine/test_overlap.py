@@ -158,3 +158,14 @@ def test_graph_captures_hold_the_garbage_collector_off_and_restore_it():
         assert not gc.isenabled()           # left as the caller had it
     finally:
         gc.enable()
+
+
+def test_stage_copies_setting_is_checked(monkeypatch):
+    from lodestar.engine.model_runner import stage_copies
+    monkeypatch.delenv("LODESTAR_STAGE_COPIES", raising=False)
+    assert stage_copies() == "one"
+    monkeypatch.setenv("LODESTAR_STAGE_COPIES", "apart")
+    assert stage_copies() == "apart"
+    monkeypatch.setenv("LODESTAR_STAGE_COPIES", "two")
+    with pytest.raises(ValueError, match="LODESTAR_STAGE_COPIES"):
+        stage_copies()
