@@ -45,6 +45,7 @@ from lodestar.engine.sequence import Sequence
 from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # A decode step's inputs go to the device in one copy when it is at most this long: each
 # copy costs the step's stream a few microseconds however small it is. H200 run 150, one
 # stream, against a copy per input (``LODESTAR_STAGE_COPIES=apart``), same tokens: 8B Q4_K
@@ -63,7 +64,6 @@ def stage_copies() -> str:
     if env not in ("one", "apart"):
         raise ValueError(f"LODESTAR_STAGE_COPIES={env!r}; use one or apart")
     return env
-PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 @contextmanager
@@ -315,13 +315,10 @@ class ModelRunner:
                       for _ in range(2)], "out": 0,
              "res": res, "ids": res[0]}
         # positions, slots, lengths and block tables share one device buffer laid out as the
-        # staging one (``_input_views``), so that a step's inputs usually go in one copy
-        g["raw"] = torch.empty(self._input_bytes(size), dtype=torch.uint8, device=dev)
+        # staging one (``_input_views``), so that a step's inputs usually go in one copy; it
+        # starts as a copy of the staging buffer's padded-row values
+        g["raw"] = g["stages"][0]["raw"].to(dev)
         g.update(self._input_views(g["raw"], size))
-        g["positions"].zero_()
-        g["slots"].fill_(self.spare_block * bs)
-        g["lens"].fill_(1)
-        g["tables"].fill_(self.spare_block)
         meta = GpuAttentionMeta(g["slots"], g["tables"], g["lens"], num_partitions(self.max_blocks * bs),
                                 grid_splits(size, self.n_kv_heads, dev))
         g["batch"] = AttentionBatch(g["slots"], g["tables"], g["lens"], torch.arange(size + 1), bs,
