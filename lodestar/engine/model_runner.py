@@ -20,12 +20,16 @@ same bucket, so results stay deterministic. The graphs share one memory pool.
 
 Overlapped decode (``launch``): a graph also leaves each row's greedy token (the first
 maximal logit, as the sampler's plain greedy path picks it) in its own token-id input, and
-copies the tokens to pinned host memory behind an event. So the engine can queue the next
-step, fed from the device, before it has read this step's tokens: the GPU runs step N+1
-while the host detokenizes step N. Host staging and result buffers alternate between two
-sets, so filling one step's inputs never waits for the step still queued. A step's
-positions, KV slots, lengths and block tables sit in one device buffer laid out as its
-staging buffer, so they usually reach the device in one copy (``STAGE_ONE_COPY_BYTES``).
+in pinned host memory behind an event. So the engine can queue the next step, fed from the
+device, before it has read this step's tokens: the GPU runs step N+1 while the host
+detokenizes step N. Host staging and result buffers alternate between two sets, so
+filling one step's inputs never waits for the step still queued. A step's positions, KV
+slots, lengths and block tables sit in one device buffer laid out as its staging buffer.
+By default (``stage_copies``: ``mapped``) the graph's first kernel reads the staging
+buffer itself from pinned host memory and its greedy kernel writes the tokens back there
+(``triton_step_inputs``), so nothing but the replays runs on the stream; otherwise the
+inputs reach the device in one copy before the replay (``STAGE_ONE_COPY_BYTES``) and the
+tokens in one copy after it.
 On the CPU ``launch`` runs the step at once (same results; only the device path gains
 speed).
 """
@@ -52,17 +56,26 @@ PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # 582.0 / 582.0 -> 583.6 / 584.3 tok/s, Q4_0 611.8 / 613.1 -> 615.3 / 615.5, SmolLM2-135M F16
 # 1,720.5 / 1,712.7 -> 1,732.6 / 1,745.6. With no input copy at all (a timing probe whose
 # steps replayed stale inputs, run 149): 8B Q4_K 581.4 -> 586.3 / 587.9, SmolLM2 F16 1,718 ->
-# 1,757: what is left would take the inputs' update onto the device itself.
+# 1,757. Run 153, the graph reading its inputs from pinned host memory and writing its tokens
+# back there (``mapped``, no copy on the stream) against one copy each way, same tokens: 8B
+# Q4_K 583.7 / 584.3 -> 586.7 / 586.9, Q4_0 614.2 / 614.0 -> 615.3 / 616.4, SmolLM2-135M F16
+# 1,752.3 / 1,755.9 -> 1,786.3 / 1,782.5.
 STAGE_ONE_COPY_BYTES = 64 << 10
 
 
 def stage_copies() -> str:
-    """How a graph's decode inputs are copied in: env ``LODESTAR_STAGE_COPIES``, unset or
-    ``one``: in one copy (two past ``STAGE_ONE_COPY_BYTES``); ``apart``: a copy per input, the
-    form before (for an A/B). Read at each step; same results."""
-    env = os.environ.get("LODESTAR_STAGE_COPIES", "").strip() or "one"
-    if env not in ("one", "apart"):
-        raise ValueError(f"LODESTAR_STAGE_COPIES={env!r}; use one or apart")
+    """How a decode graph gets its inputs and gives back its greedy tokens: env
+    ``LODESTAR_STAGE_COPIES``, unset or ``mapped``: the graph reads the inputs from pinned
+    host memory itself and its greedy kernel writes the tokens back there (no copy between
+    replays; ``triton_step_inputs``; needs the greedy kernel, else ``one``); ``one``: the
+    inputs copied in one copy (two past ``STAGE_ONE_COPY_BYTES``) before the replay and the
+    tokens copied out after it; ``apart``: a copy per input (for an A/B). Read when a graph is
+    captured; same results."""
+    env = os.environ.get("LODESTAR_STAGE_COPIES", "").strip() or "mapped"
+    if env not in ("mapped", "one", "apart"):
+        raise ValueError(f"LODESTAR_STAGE_COPIES={env!r}; use mapped, one or apart")
+    if env == "mapped" and not greedy_kernel_on():
+        return "one"
     return env
 
 
@@ -98,15 +111,24 @@ class PendingDecode:
         return ids, [bool(v) for v in ok]
 
 
-def greedy_into(logits: torch.Tensor, out: torch.Tensor) -> None:
+def greedy_kernel_on() -> bool:
+    """Whether CUDA greedy picks run ``triton_sampling.greedy_rows`` (env
+    ``LODESTAR_GREEDY_KERNEL``, unset or 1; 0: the torch reduction)."""
+    return os.environ.get("LODESTAR_GREEDY_KERNEL", "1").strip() != "0"
+
+
+def greedy_into(logits: torch.Tensor, out: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> None:
     """``out[0, :R]`` = first index of each row's maximum, ``out[1, :R]`` = 1 where that
     maximum is a number above -inf (0 for a row of -inf or with a NaN maximum). One Triton
-    kernel on CUDA (``triton_sampling.greedy_rows``; ``LODESTAR_GREEDY_KERNEL=0``: the torch
-    reduction, the same result)."""
-    if logits.is_cuda and os.environ.get("LODESTAR_GREEDY_KERNEL", "1").strip() != "0":
+    kernel on CUDA (``triton_sampling.greedy_rows``, which also writes ``host``'s slot when
+    given; ``LODESTAR_GREEDY_KERNEL=0``: the torch reduction, the same result, no ``host``)."""
+    if logits.is_cuda and greedy_kernel_on():
         from lodestar.kernels.triton_sampling import greedy_rows
-        greedy_rows(logits, out)
+        greedy_rows(logits, out, host=host)
         return
+    if host is not None:
+        raise ValueError("greedy_into(host=...) needs the CUDA greedy kernel")
     values, ids = logits.max(dim=-1)
     r = logits.shape[0]
     out[0, :r].copy_(ids)
@@ -310,10 +332,22 @@ class ModelRunner:
         # Row 0 is the graph's token-id input and, at its end, each row's greedy token (so a
         # following step can be fed from the device); row 1 says whether that token is valid.
         res = torch.zeros(2, size, dtype=torch.int64, device=dev)
-        g = {"size": size, "stages": [self._staging(size) for _ in range(2)], "stage": 0,
-             "outs": [(torch.zeros(2, size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                      for _ in range(2)], "out": 0,
-             "res": res, "ids": res[0]}
+        mode = stage_copies()
+        g = {"size": size, "mode": mode, "stage": 0, "res": res, "ids": res[0]}
+        if mode == "mapped":
+            # both stages in one pinned buffer that the graph's first kernel reads, and the
+            # greedy tokens' two result slots that its greedy kernel writes
+            from lodestar.kernels.triton_step_inputs import stage_bytes
+            g["host"] = torch.zeros(2, stage_bytes(size, self._input_bytes(size)), dtype=torch.uint8,
+                                    pin_memory=True)
+            g["stages"] = [self._staging(size, g["host"][p]) for p in range(2)]
+            g["outs_host"] = torch.zeros(2, 2, size, dtype=torch.int64, pin_memory=True)
+            g["ctl"] = torch.zeros(2, dtype=torch.int32, device=dev)
+        else:
+            g["stages"] = [self._staging(size) for _ in range(2)]
+            g["outs"] = [(torch.zeros(2, size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                         for _ in range(2)]
+            g["out"] = 0
         # positions, slots, lengths and block tables share one device buffer laid out as the
         # staging one (``_input_views``), so that a step's inputs usually go in one copy; it
         # starts as a copy of the staging buffer's padded-row values
@@ -328,16 +362,33 @@ class ModelRunner:
         # compile kernels, set up cuBLAS and reserve greedy_into's workspace outside the capture
         with torch.cuda.stream(stream):
             for _ in range(2):
-                greedy_into(self._forward_logits(g), res)
+                self._graph_body(g)
         torch.cuda.current_stream(dev).wait_stream(stream)
         res.zero_()
         graph = torch.cuda.CUDAGraph()
         with _no_gc(), torch.cuda.graph(graph):
-            g["logits"] = self._forward_logits(g)
-            greedy_into(g["logits"], res)
+            g["logits"] = self._graph_body(g)
         g["graph"] = graph
+        if mode == "mapped":
+            torch.cuda.current_stream(dev).synchronize()
+            g["ctl"].zero_()            # the first replay takes stage 0, as the host's first fill
+            g["outs_host"].zero_()
         self.graphs[size] = g
         return g
+
+    def _graph_body(self, g: dict) -> torch.Tensor:
+        """What a decode graph runs: (mapped: its inputs taken from the host stage), the model,
+        the head, the greedy tokens (mapped: also into the host's result slot)."""
+        if g["mode"] == "mapped":
+            from lodestar.kernels.triton_step_inputs import take_inputs
+            size = g["size"]
+            take_inputs(g["host"], g["ctl"], g["raw"], g["ids"], size, self.max_blocks, self._tables_offset(size))
+            logits = self._forward_logits(g)
+            greedy_into(logits, g["res"], host=(g["outs_host"], g["ctl"]))
+            return logits
+        logits = self._forward_logits(g)
+        greedy_into(logits, g["res"])
+        return logits
 
     @staticmethod
     def _tables_offset(size: int) -> int:
@@ -355,17 +406,25 @@ class ModelRunner:
                 "lens": raw[16 * size:20 * size].view(torch.int32),
                 "tables": raw[t0:].view(torch.int32).view(size, self.max_blocks)}
 
-    def _staging(self, size: int) -> dict:
+    def _staging(self, size: int, stage: torch.Tensor | None = None) -> dict:
         """Pinned host buffers for one step's inputs (the token ids; the rest laid out as the
-        graph's device buffer), filled through numpy views."""
-        raw = torch.zeros(self._input_bytes(size), dtype=torch.uint8, pin_memory=True)
+        graph's device buffer), filled through numpy views; in ``stage`` (a stage of a mapped
+        graph's host buffer: ``triton_step_inputs.stage_views``) when given. ``copied``: an
+        event after which the device has read them."""
+        if stage is None:
+            raw = torch.zeros(self._input_bytes(size), dtype=torch.uint8, pin_memory=True)
+            extra = {"ids": torch.zeros(size, dtype=torch.int64, pin_memory=True)}
+        else:
+            from lodestar.kernels.triton_step_inputs import stage_views
+            extra = stage_views(stage, size, self._input_bytes(size))
+            raw = extra.pop("raw")
         st = self._input_views(raw, size)
         st["slots"].fill_(self.spare_block * self.pool.block_size)
         st["lens"].fill_(1)
         st["tables"].fill_(self.spare_block)
         copied = torch.cuda.Event()
         copied.record()
-        return {**st, "raw": raw, "ids": torch.zeros(size, dtype=torch.int64, pin_memory=True), "copied": copied}
+        return {**st, **extra, "raw": raw, "copied": copied}
 
     def capture(self, sizes: tuple[int, ...] = GRAPH_BATCH_SIZES) -> None:
         """Capture decode graphs now (largest first) instead of at first use."""
@@ -377,13 +436,15 @@ class ModelRunner:
         size = next(b for b in GRAPH_BATCH_SIZES if b >= n)
         return self.graphs.get(size) or self._capture(size)
 
-    def _stage(self, g: dict, seqs: list[Sequence], host_ids: bool) -> None:
+    def _stage(self, g: dict, seqs: list[Sequence], host_ids: bool) -> dict:
         """Copy the rows' positions, KV slots, lengths and block tables (and their token ids
-        if ``host_ids``; else the ids the previous replay left on the device) into ``g``'s inputs."""
+        if ``host_ids``; else the ids the previous replay left on the device) into ``g``'s
+        inputs; a mapped graph (``stage_copies``) reads them from the stage itself when it is
+        replayed next. Returns the stage."""
         n, bs = len(seqs), self.pool.block_size
         st = g["stages"][g["stage"]]
         g["stage"] ^= 1
-        st["copied"].synchronize()           # this set's previous copies have read it (two steps ago)
+        st["copied"].synchronize()           # the device has read this stage (two steps ago)
         ids, positions, slots = st["ids"].numpy(), st["positions"].numpy(), st["slots"].numpy()
         lens, tables = st["lens"].numpy(), st["tables"].numpy()
         width = 1
@@ -402,13 +463,17 @@ class ModelRunner:
         slots[n:] = self.spare_block * bs
         lens[n:] = 1
         tables[n:, 0] = self.spare_block
+        if g["mode"] == "mapped":           # read by the replay (its first kernel), no copy
+            st["header"][0] = int(host_ids)
+            st["header"][1] = width
+            return st
         if host_ids:
             g["ids"].copy_(st["ids"], non_blocking=True)
         # one copy up to the last table column in use (the columns past a row's own blocks
         # are never read), unless that spans many unused columns of a large batch
         size = g["size"]
         end = self._tables_offset(size) + 4 * ((size - 1) * self.max_blocks + width)
-        if stage_copies() == "apart":     # the form before, for A/B
+        if g["mode"] == "apart":     # the form before, for A/B
             for key in ("positions", "slots", "lens"):
                 g[key].copy_(st[key], non_blocking=True)
             g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)
@@ -418,11 +483,14 @@ class ModelRunner:
             g["raw"][:20 * size].copy_(st["raw"][:20 * size], non_blocking=True)
             g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)
         st["copied"].record()
+        return st
 
     def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
         g = self._graph_for(len(seqs))
-        self._stage(g, seqs, host_ids=True)
+        st = self._stage(g, seqs, host_ids=True)
         g["graph"].replay()
+        if g["mode"] == "mapped":
+            st["copied"].record()
         self.graph_replays += 1
         return g["logits"][:len(seqs)].clone()
 
@@ -454,12 +522,16 @@ class ModelRunner:
         g = self._graph_for(len(seqs))
         if prev is not None and prev.graph is not g:
             raise ValueError("a step fed from the device must replay the previous step's graph")
-        self._stage(g, seqs, host_ids=prev is None)
+        p = g["stage"]
+        st = self._stage(g, seqs, host_ids=prev is None)
         g["graph"].replay()
         self.graph_replays += 1
-        out, done = g["outs"][g["out"]]
-        g["out"] ^= 1
-        out.copy_(g["res"], non_blocking=True)
+        if g["mode"] == "mapped":     # the greedy kernel wrote the tokens into result slot p
+            out, done = g["outs_host"][p], st["copied"]
+        else:
+            out, done = g["outs"][g["out"]]
+            g["out"] ^= 1
+            out.copy_(g["res"], non_blocking=True)
         done.record()
         for s in seqs:
             s.num_computed += 1

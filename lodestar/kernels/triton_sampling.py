@@ -12,6 +12,11 @@ program writes ``out``; otherwise it stores its partial (NaN as the max when its
 one) and takes an int32 ticket on the row's counter (atomic add, acquire-release), and the
 last of the row's programs to arrive combines the partials (max, then smallest index, which
 is the earliest chunk) into ``out`` and puts the counter back to 0.
+
+``host=(buf, ctl)``: whichever program writes a row's result also writes it, write-through,
+to ``buf[ctl[1]]`` (pinned host memory, int64 [2, 2, >= R]): a decode graph's tokens reach
+the host with no copy after the replay (``triton_step_inputs``, whose ``take_inputs`` sets
+``ctl[1]`` at the step's start).
 """
 from __future__ import annotations
 
@@ -72,10 +77,12 @@ def split(rows: int, v: int, device: torch.device) -> tuple[int, int]:
     return chunk, -(-v // chunk)
 
 
-def greedy_rows(logits: torch.Tensor, out: torch.Tensor, chunk: int | None = None) -> None:
+def greedy_rows(logits: torch.Tensor, out: torch.Tensor, chunk: int | None = None,
+                host: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``out[0, :R]`` = first index of each row's maximum of ``logits [R, V]``, ``out[1, :R]``
     = 1 where that maximum is a number above -inf; ``out`` int64 [2, >= R]. ``chunk``
-    (a multiple of ``BLOCK``) replaces ``split``'s columns per program (tests)."""
+    (a multiple of ``BLOCK``) replaces ``split``'s columns per program (tests). ``host``:
+    ``(buf, ctl)``, the same results also into ``buf[ctl[1]]`` (see the module docstring)."""
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"logits must be fp32 or bf16 [rows, vocab]; got {logits.dtype} {tuple(logits.shape)}")
     R, V = logits.shape
@@ -96,9 +103,19 @@ def greedy_rows(logits: torch.Tensor, out: torch.Tensor, chunk: int | None = Non
         if chunks > MAX_CHUNKS:
             raise ValueError(f"{chunks} chunks of {chunk} columns; at most {MAX_CHUNKS}")
     ws = workspace(logits.device, R if chunks > 1 else 0)
+    if host is not None:
+        buf, ctl = host
+        if buf.dtype != torch.int64 or buf.dim() != 3 or buf.shape[:2] != (2, 2) or buf.shape[2] < R:
+            raise ValueError(f"host buffer must be int64 [2, 2, >= {R}]; got {buf.dtype} {tuple(buf.shape)}")
+        if ctl.dtype != torch.int32 or ctl.numel() < 2 or ctl.device != logits.device:
+            raise ValueError("host ctl must be int32 [>= 2] on the logits' device")
+        hargs = (buf, ctl, buf.stride(0), buf.stride(1), buf.stride(2))
+    else:
+        hargs = (out, ws.counters, 0, 0, 0)      # never touched: HOST is off
     _greedy_kernel[(R, chunks)](logits, out, ws.values, ws.index, ws.counters, V, logits.stride(0),
-                                out.stride(0), out.stride(1), chunk // BLOCK, BLOCK=BLOCK,
-                                CHUNKS_PAD=MAX_CHUNKS, SPLIT=chunks > 1, INTERP=_INTERP, num_warps=NUM_WARPS, **pdl())
+                                out.stride(0), out.stride(1), chunk // BLOCK, *hargs, BLOCK=BLOCK,
+                                CHUNKS_PAD=MAX_CHUNKS, SPLIT=chunks > 1, INTERP=_INTERP, HOST=host is not None,
+                                num_warps=NUM_WARPS, **pdl())
 
 
 # --------------------------------------------------------------------------- kernels
@@ -111,15 +128,20 @@ if triton_enabled():
     from lodestar.kernels.triton_dense import _pdl_enter
 
     @triton.jit
-    def _store_result(out_ptr, row, stride_o0, stride_o1, m, i, has_nan):
+    def _store_result(out_ptr, row, stride_o0, stride_o1, m, i, has_nan, host_ptr, ctl_ptr, sh_p, sh_0, sh_1,
+                      HOST: tl.constexpr):
         ok = (m > float("-inf")) & (has_nan == 0)
         tl.store(out_ptr + row * stride_o1, i.to(tl.int64))
         tl.store(out_ptr + stride_o0 + row * stride_o1, ok.to(tl.int64))
+        if HOST:    # the same into the host's result slot ctl[1] (pinned memory, write-through)
+            hp = host_ptr + tl.load(ctl_ptr + 1).to(tl.int64) * sh_p + row * sh_1
+            tl.store(hp, i.to(tl.int64), cache_modifier=".wt")
+            tl.store(hp + sh_0, ok.to(tl.int64), cache_modifier=".wt")
 
     @triton.jit
     def _greedy_kernel(x_ptr, out_ptr, val_ptr, idx_ptr, count_ptr, V, stride_x, stride_o0, stride_o1, steps,
-                       BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
-                       PDL: tl.constexpr):
+                       host_ptr, ctl_ptr, sh_p, sh_0, sh_1, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                       SPLIT: tl.constexpr, INTERP: tl.constexpr, HOST: tl.constexpr, PDL: tl.constexpr):
         """Row ``program_id(0)``, columns ``[c * steps * BLOCK, (c + 1) * steps * BLOCK)`` of
         chunk ``c = program_id(1)``; SPLIT: one of several chunks (the last to arrive combines)."""
         _pdl_enter(PDL)
@@ -142,7 +164,8 @@ if triton_enabled():
         i = tl.min(tl.where(best == m, at, V), 0)    # all -inf: every lane still holds 0
         has_nan = tl.max(nan, 0)
         if not SPLIT:
-            _store_result(out_ptr, row, stride_o0, stride_o1, m, i, has_nan)
+            _store_result(out_ptr, row, stride_o0, stride_o1, m, i, has_nan, host_ptr, ctl_ptr, sh_p, sh_0, sh_1,
+                          HOST)
         else:
             slot = row * CHUNKS_PAD + c
             tl.store(val_ptr + slot, tl.where(has_nan != 0, float("nan"), m))
@@ -161,5 +184,6 @@ if triton_enabled():
                 vals = tl.where(vals != vals, float("-inf"), vals)
                 m = tl.max(vals, 0)
                 i = tl.min(tl.where(vals == m, idxs, V), 0)    # the earliest chunk at the max
-                _store_result(out_ptr, row, stride_o0, stride_o1, m, i, has_nan)
+                _store_result(out_ptr, row, stride_o0, stride_o1, m, i, has_nan, host_ptr, ctl_ptr, sh_p, sh_0,
+                              sh_1, HOST)
                 tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")

@@ -130,16 +130,23 @@ def test_graphs_and_batching_match_eager_single_stream(gpu_engine):
     assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
 
 
-@pytest.mark.parametrize("one_copy,form", [(0, ""), (1 << 30, ""), (1 << 30, "apart")],
-                         ids=["two-copies", "one-copy", "apart"])
-def test_graph_inputs_in_one_or_two_copies(gpu_engine, one_copy, form, monkeypatch):
+@pytest.mark.parametrize("one_copy,form,chunk", [(0, "one", 0), (1 << 30, "one", 0), (1 << 30, "apart", 0),
+                                                  (0, "mapped", 0), (0, "mapped", 2)],
+                         ids=["two-copies", "one-copy", "apart", "mapped", "mapped-trips"])
+def test_graph_inputs_in_one_or_two_copies(gpu_engine, one_copy, form, chunk, monkeypatch):
     """A decode step's inputs reach the graph in one copy of the staging buffer, in two
     (positions, slots and lengths, then the used table columns) past
-    ``STAGE_ONE_COPY_BYTES``, or one copy each (``LODESTAR_STAGE_COPIES=apart``): the same
-    tokens as eager decode, alone and batched with padded rows."""
+    ``STAGE_ONE_COPY_BYTES``, one copy each (``LODESTAR_STAGE_COPIES=apart``), or read by the
+    graph from pinned host memory with the tokens written back there (``mapped``; with
+    ``chunk``, table columns in round trips of that many): the same tokens as eager decode,
+    alone and batched with padded rows."""
     from lodestar.engine import model_runner
+    from lodestar.kernels import triton_step_inputs
     monkeypatch.setattr(model_runner, "STAGE_ONE_COPY_BYTES", one_copy)
     monkeypatch.setenv("LODESTAR_STAGE_COPIES", form)
+    if chunk:
+        monkeypatch.setattr(triton_step_inputs, "FIRST_TRIP_ELEMENTS", chunk)
+    monkeypatch.setattr(gpu_engine.runner, "graphs", {})      # captured in this form
     vocab = gpu_engine.loaded.config.vocab_size
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in (12, 47, 90)]
