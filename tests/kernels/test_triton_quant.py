@@ -441,3 +441,71 @@ def test_weight_evict_names_types(monkeypatch):
         monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", bad)
         with pytest.raises(ValueError, match="LODESTAR_WEIGHT_EVICT"):
             tq.weight_evict(tq.T.Q4_0)
+
+
+def _int_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE]
+                         + [pytest.param("Q4_K-pair", id="Q4_K-pair")])
+def test_k_split_layout_gives_the_same_bits(qtype, monkeypatch):
+    """A weight in the K-split layout (``split_layout``: each of the product's K splits stored
+    as a whole [N, K / parts] matrix) gives the plain layout's bits in the word-tile kernel
+    with the same tiling (masked and unmasked, one row and several, its split partials left
+    to the reader, the loop forms, the first tile before the wait), in the dequantize kernel
+    and in the reference; a config with other splits runs the layout's."""
+    dev = kernel_device()
+    pairs = qtype == "Q4_K-pair"
+    qtype = tq.T.Q4_K if pairs else qtype
+    n, k = 40, 3584                  # 14 blocks of 256 a row: 2 or 7 slices of whole blocks
+    data = random_gguf(qtype, n, k, seed=31).to(dev)
+    plain = tq.pack(qtype, data, n, k, pairs=pairs)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(dev)
+    for parts, cfgs in ((2, [tq.GemvConfig(16, 32, 2, 4, words=True), tq.GemvConfig(8, 16, 2, 1, words=True),
+                             tq.GemvConfig(8, 32, 2, 2, words=True, prefetch=True)]),
+                        (7, [tq.GemvConfig(16, 16, 7, 1, words=True), tq.GemvConfig(8, 8, 7, 2, words=True,
+                                                                                       unroll=True)])):
+        lay = tq.split_layout(plain, parts)
+        assert lay.parts == parts and lay.nbytes == plain.nbytes and lay.codes.shape[0] == parts * n
+        back = tq.logical(lay)
+        for name, t in tq._arrays(plain).items():
+            assert torch.equal(getattr(back, name), t), name
+        assert torch.equal(_int_bits(tq.dequantize_packed_ref(lay)), _int_bits(tq.dequantize_packed_ref(plain)))
+        assert torch.equal(_int_bits(tq.dequantize_packed(lay, torch.float32)),
+                           _int_bits(tq.dequantize_packed(plain, torch.float32)))
+        for cfg in cfgs:
+            for rows in (x, x[1:2]):
+                for early in ("0", "1"):
+                    monkeypatch.setenv("LODESTAR_GEMV_EARLY", early)
+                    a = tq.quant_matmul(rows, plain, torch.float32, config=cfg)
+                    b = tq.quant_matmul(rows, lay, torch.float32, config=cfg)
+                    assert torch.equal(_int_bits(a), _int_bits(b)), (parts, cfg, early)
+            pa = tq.quant_matmul(x, plain, torch.float32, config=cfg, defer_sum=True)
+            pb = tq.quant_matmul(x, lay, torch.float32, config=cfg, defer_sum=True)
+            assert torch.equal(_int_bits(pa.part), _int_bits(pb.part))
+        other = tq.quant_matmul(x, lay, torch.float32, config=replace(cfgs[0], split_k=1))
+        assert torch.equal(_int_bits(other), _int_bits(tq.quant_matmul(x, plain, torch.float32, config=cfgs[0])))
+        with pytest.raises(ValueError, match="K-split layout"):     # the group-tile kernel
+            tq.quant_matmul(x, lay, torch.float32, config=tq.GemvConfig(16, 8, parts, 4))
+    with pytest.raises(ValueError, match="slices"):
+        tq.split_layout(plain, 3)
+
+
+def test_load_layout_follows_the_tiling(monkeypatch):
+    """``layout_parts``: the word-tile tiling's K splits, unless the rows do not cut into them
+    whole, the kernel is the group-tile one, or ``LODESTAR_SPLIT_LAYOUT=0``."""
+    data = random_gguf(tq.T.Q4_K, 8, 1024, seed=2)
+    pw = tq.pack(tq.T.Q4_K, data, 8, 1024)
+    words = tq.GemvConfig(16, 32, 2, 4, words=True)
+    monkeypatch.delenv("LODESTAR_SPLIT_LAYOUT", raising=False)
+    assert tq.layout_parts(pw, words) == 2
+    assert tq.layout_parts(pw, replace(words, split_k=3)) == 1          # 4 blocks do not cut in 3
+    assert tq.layout_parts(pw, replace(words, words=False)) == 1
+    assert tq.layout_parts(pw, replace(words, split_k=1)) == 1
+    monkeypatch.setenv("LODESTAR_SPLIT_LAYOUT", "0")
+    assert tq.layout_parts(pw, words) == 1
+    monkeypatch.setenv("LODESTAR_SPLIT_LAYOUT", "yes")
+    with pytest.raises(ValueError, match="LODESTAR_SPLIT_LAYOUT"):
+        tq.layout_parts(pw, words)
+    assert tq.load_layout(pw) is pw                    # off the GPU: as packed
