@@ -321,10 +321,6 @@ class PackedWeight:
     m: torch.Tensor | None = None
     # int32 arrival counter per output tile of a K-split product (all 0 between launches)
     tile_counters: torch.Tensor | None = None
-    # K-split layout (``split_layout``): the columns cut into ``parts`` equal slices, each
-    # array stored as ``parts`` whole [N, C / parts] matrices one after the other ([parts * N,
-    # C / parts]); 1: the plain [N, C] layout
-    parts: int = 1
 
     @property
     def paired(self) -> bool:
@@ -464,70 +460,6 @@ def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int,
                         sc=rows(b[:, 192:208].contiguous().view(torch.int8)))
 
 
-SPLIT_LAYOUT_ENV = "LODESTAR_SPLIT_LAYOUT"
-
-
-def _arrays(pw: PackedWeight) -> dict[str, torch.Tensor]:
-    names = ("codes", "d", "high", "dmin", "sc", "m")
-    return {name: getattr(pw, name) for name in names if getattr(pw, name) is not None}
-
-
-def split_layout(pw: PackedWeight, parts: int) -> PackedWeight:
-    """``pw`` in the K-split layout of ``parts`` slices (``PackedWeight.parts``; same bytes,
-    same bits): a product whose K splits match the slices (``GemvConfig.split_k == parts``)
-    then reads each program's weights from one contiguous stretch of memory, and the
-    programs running side by side read neighbouring stretches, instead of every row's slice
-    at a stride of a whole row. ``parts`` 1 gives the plain layout back (``logical``)."""
-    if parts == pw.parts:
-        return pw
-    if pw.parts != 1:
-        pw = logical(pw)
-    if parts == 1:
-        return pw
-    unit = 256 if pw.qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else GROUP
-    if parts < 1 or pw.k % (parts * unit):
-        raise ValueError(f"split_layout: {pw.qtype.name} rows of {pw.k} weights do not cut into {parts} slices of "
-                         f"whole {unit}-weight blocks")
-    out = {}
-    for name, t in _arrays(pw).items():
-        c = t.shape[1]
-        out[name] = t.view(pw.n, parts, c // parts).transpose(0, 1).contiguous().view(parts * pw.n, c // parts)
-    return replace(pw, parts=parts, tile_counters=None, **out)
-
-
-def logical(pw: PackedWeight) -> PackedWeight:
-    """``pw`` in the plain layout (a copy when it is in the K-split layout)."""
-    if pw.parts == 1:
-        return pw
-    out = {}
-    for name, t in _arrays(pw).items():
-        c = t.shape[1]
-        out[name] = t.view(pw.parts, pw.n, c).transpose(0, 1).contiguous().view(pw.n, c * pw.parts)
-    return replace(pw, parts=1, tile_counters=None, **out)
-
-
-def layout_parts(pw: PackedWeight, config: "GemvConfig") -> int:
-    """The K-split layout ``load_layout`` gives a weight that runs ``config``: its K splits
-    when the word-tile kernel runs them and the rows cut into them whole (env
-    ``LODESTAR_SPLIT_LAYOUT``: unset or 1, on; 0, off; read at each call), else 1."""
-    env = os.environ.get(SPLIT_LAYOUT_ENV, "1").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{SPLIT_LAYOUT_ENV}={env!r}; use 0 or 1")
-    unit = 256 if pw.qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else GROUP
-    if (env == "0" or not config.words or pw.qtype not in WORDS_CAPABLE or config.split_k <= 1
-            or pw.k % (config.split_k * unit)):
-        return 1
-    return config.split_k
-
-
-def load_layout(pw: PackedWeight) -> PackedWeight:
-    """A weight packed at load, laid out for the tiling it will run (``gemv_config``;
-    ``layout_parts``)."""
-    if pw.device.type != "cuda":
-        return pw
-    return split_layout(pw, layout_parts(pw, gemv_config(pw.n, pw.k, pw.device, pw.qtype)))
-
-
 # ------------------------------------------------------------------- torch references
 
 def _unpack_codes(pw: PackedWeight) -> torch.Tensor:
@@ -570,7 +502,6 @@ def _scales_ref(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None, in
 
 def dequantize_packed_ref(pw: PackedWeight) -> torch.Tensor:
     """fp32 [N, K], bit-identical to ``dequant.dequantize`` of the original bytes."""
-    pw = logical(pw)
     q = _unpack_codes(pw).float()
     scale, offset, gs = _scales_ref(pw)
     w = q.reshape(pw.n, -1, gs) * scale.unsqueeze(-1)
@@ -1190,7 +1121,7 @@ def norm_prologue_ok(pw: PackedWeight, rows: int, config: GemvConfig | None = No
     inside the word-tile kernel for ``rows`` rows: each program holds whole rows in one tile
     (no K split, ``tile_groups * 32 == k``, a power of two), whole row blocks, a type with
     16-weight half groups (not Q8_0)."""
-    if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.qtype == T.Q8_0 or pw.parts != 1:
+    if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.qtype == T.Q8_0:
         return False
     cfg = config or gemv_config(pw.n, pw.k, pw.device, pw.qtype)
     return (cfg.words and whole_rows(cfg, pw.k) and cfg.tile_groups * GROUP == pw.k and pw.k & (pw.k - 1) == 0
@@ -1257,12 +1188,6 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
         words, d1, sums = quantize_x(x.to(torch.bfloat16).contiguous())
     device = words.device
     cfg = config or gemv_config(pw.n, pw.k, device, pw.qtype)
-    if pw.parts > 1:      # the K-split layout (split_layout): its slices are the splits
-        if not (cfg.words and pw.qtype in WORDS_CAPABLE):
-            raise ValueError(f"quant_matmul: a {pw.qtype.name} weight in the K-split layout ({pw.parts} slices) runs "
-                             f"only in the word-tile kernel; got {cfg}")
-        if cfg.split_k != pw.parts:
-            cfg = replace(cfg, split_k=pw.parts)
     if norm is not None:
         nr = norm.residual if norm.residual is not None else norm.x
         norm_c = dict(nx_ptr=norm.x, nr_ptr=nr, nw_ptr=norm.weight, h_ptr=norm.h, eps=norm.eps, NORM=True,
@@ -1315,8 +1240,8 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                                  EVEN=even,
                                  EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
                                  **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), KPAIR=pw.paired,
-                                 PREFETCH=cfg.prefetch, PID0=row0 // cfg.block_n, PARTS=pw.parts,
-                                 num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **launch)
+                                 PREFETCH=cfg.prefetch, PID0=row0 // cfg.block_n, num_warps=cfg.num_warps,
+                                 maxnreg=cfg.maxnreg or None, **launch)
     else:
         _gemv_kernel[grid](words, d1, sums, part, out, counters, codes, *_ptr_args(pw)[1:], pw.n, pw.n, M * pw.n,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
@@ -1388,8 +1313,7 @@ def glu_epilogue_ok(pw: PackedWeight, rows: int, ffn: int, config: GemvConfig | 
     groups of both halves, or a whole fraction of one (1, 2, 4, 8 or 16 units of each half:
     the group's last program quantizes it, ``_glu_quant_store``), at most ``SMALL_M_MAX``
     rows."""
-    if (not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.n != 2 * ffn or ffn % GROUP
-            or pw.parts != 1):
+    if not 0 < rows <= SMALL_M_MAX or pw.qtype not in WORDS_CAPABLE or pw.n != 2 * ffn or ffn % GROUP:
         return False
     cfg = config or glu_gemv_config(pw)
     if cfg is None:
@@ -1436,14 +1360,12 @@ def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None
 def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The whole weight [N, K] in ``dtype`` (bf16 rounding of the exact fp32 values)."""
     out = torch.empty(pw.n, pw.k, device=pw.device, dtype=dtype)
-    # the K-split layout (split_layout) is read as the [parts * N, K / parts] matrix it stores
-    n, k = pw.n * pw.parts, pw.k // pw.parts
-    groups = k // GROUP
+    groups = pw.k // GROUP
     per = 8 if groups % 8 == 0 else 4 if groups % 4 == 0 else 2 if groups % 2 == 0 else 1
     block_n = 32
-    grid = (-(-n // block_n), groups // per)
-    _dequant_kernel[grid](out, *_ptr_args(pw), n, K=k, QTYPE=int(pw.qtype),
-                          BLOCK_N=block_n, GROUPS=per, KPAIR=pw.paired, PARTS=pw.parts, NOUT=pw.n, num_warps=4)
+    grid = (-(-pw.n // block_n), groups // per)
+    _dequant_kernel[grid](out, *_ptr_args(pw), pw.n, K=pw.k, QTYPE=int(pw.qtype),
+                          BLOCK_N=block_n, GROUPS=per, KPAIR=pw.paired, num_warps=4)
     return out
 
 
@@ -1905,19 +1827,16 @@ if triton_enabled():
 
     @triton.jit
     def _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr,
-                     QTYPE: tl.constexpr, TG: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr = "",
-                     KW: tl.constexpr = 0):
+                     QTYPE: tl.constexpr, TG: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr = ""):
         """The code words ``_words_tile`` reads for the tile of groups ``g0 ..`` (weights only:
         a caller may load them before it waits for the previous kernel). EVICT: the loads'
-        L2 eviction policy (``weight_evict``). KW: the weight's stored row length when it is not
-        K (the K-split layout: ``rows`` are then ``_gemv_words_kernel``'s stored rows, see PARTS)."""
+        L2 eviction policy (``weight_evict``)."""
         G: tl.constexpr = K // 32
-        GW: tl.constexpr = (KW if KW else K) // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
         c = tl.arange(0, TW)
         gl = c // WPG
-        offs_w = rows[:, None] * (GW * WPG) + (g0 * WPG + c)[None, :]           # [BN, TW] word index
+        offs_w = rows[:, None] * (G * WPG) + (g0 * WPG + c)[None, :]            # [BN, TW] word index
         if EVEN:
             return tl.load(codes_ptr + offs_w, eviction_policy=EVICT)
         mask_c = (g0 + gl < G) & (t + gl < GROUPS_PER_SPLIT)
@@ -1930,8 +1849,7 @@ if triton_enabled():
                     QTYPE: tl.constexpr, TG: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                     GIVEN: tl.constexpr = False, w_given=0, XGIVEN: tl.constexpr = False, xw1=0, xw2=0,
                     xd1=0, xsa_given=0, xsb_given=0, EVICT: tl.constexpr = "", KPAIR: tl.constexpr = False,
-                    SGIVEN: tl.constexpr = False, s0_given=0, s1_given=0, s2_given=0, s3_given=0,
-                    KW: tl.constexpr = 0):
+                    SGIVEN: tl.constexpr = False, s0_given=0, s1_given=0, s2_given=0, s3_given=0):
         """One tile of TG groups starting at group ``g0`` for ``rows``, as a [BN, HG] fp32 array of
         products (HG = TG, or 2*TG half groups of 16 weights for Q8_0, whose groups span 8
         words). The tile is held as [BN, TG*WPG] code words (WPG words a group, each thread
@@ -1945,10 +1863,8 @@ if triton_enabled():
         row, computed by the caller (``xw1``, ``xw2`` [TG, 8] words, ``xd1``, ``xsa_given``,
         ``xsb_given`` [TG]), not loaded. KPAIR (Q4_K, Q5_K): the scales in pairs
         (``PackedWeight.paired``), each pair one load (``_ld_f16x2``, ``_ld_u8x2``). SGIVEN: the
-        scales are ``s0_given`` .. ``s3_given`` (``_words_scales``, loaded earlier). KW: as
-        ``_words_codes``."""
+        scales are ``s0_given`` .. ``s3_given`` (``_words_scales``, loaded earlier)."""
         G: tl.constexpr = K // 32
-        GW: tl.constexpr = (KW if KW else K) // 32
         WPG: tl.constexpr = 8 if QTYPE == 8 else 4
         TW: tl.constexpr = TG * WPG
         HG: tl.constexpr = TW // 4
@@ -1960,7 +1876,7 @@ if triton_enabled():
         if GIVEN:
             w = w_given
         else:
-            w = _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT, KW)
+            w = _words_codes(codes_ptr, rows, mask_n, g0, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT)
         xrow = (pid_m.to(tl.int64) * G + g0 + gl) * 16                        # [TW]
         # 4 words in a row; masked groups point at the buffer's first words (never past its end)
         if EVEN:
@@ -1989,7 +1905,7 @@ if triton_enabled():
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
             if QTYPE == 13 or QTYPE == 14:   # the group's high-bit word(s), read once per code word
-                hidx = rows[:, None] * (GW * (QTYPE - 12)) + ((g0 + gl) * (QTYPE - 12))[None, :]
+                hidx = rows[:, None] * (G * (QTYPE - 12)) + ((g0 + gl) * (QTYPE - 12))[None, :]
                 if not EVEN:
                     hidx = tl.where(mask_n[:, None] & mask_c[None, :], hidx, 0)
                 if QTYPE == 13:  # Q5_K: word j's lanes' 5th bits (Q5K_HIGH_ORDER) to bit 4 of each byte
@@ -2009,7 +1925,7 @@ if triton_enabled():
                 i1 = _dp4a(hi, x1b[None, :] + zero, _dp4a(lo, x1a[None, :] + zero, zero, ASM), ASM)
                 i2 = _dp4a(hi, x2b[None, :] + zero, _dp4a(lo, x2a[None, :] + zero, zero, ASM), ASM)
         v = tl.sum(tl.reshape(i1 * 254 + i2, (BN, HG, 4)), axis=2)            # [BN, HG] exact
-        gidx, gm, xm, gg = _words_gidx(rows, mask_n, g0, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, KW)
+        gidx, gm, xm, gg = _words_gidx(rows, mask_n, g0, t, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
         xg = pid_m.to(tl.int64) * G + g0 + gg
         if XGIVEN:
             d1 = xd1
@@ -2045,13 +1961,11 @@ if triton_enabled():
 
     @triton.jit
     def _words_gidx(rows, mask_n, g0, t, GROUPS_PER_SPLIT: tl.constexpr, K: tl.constexpr, QTYPE: tl.constexpr,
-                    TG: tl.constexpr, EVEN: tl.constexpr, KW: tl.constexpr = 0):
+                    TG: tl.constexpr, EVEN: tl.constexpr):
         """Scale indexes of the tile of groups ``g0 ..`` (``_words_tile``'s [BN, HG] layout):
         (``rows * G + group``, 0 where masked unless EVEN; that mask; the groups' mask [HG];
-        the group of each of the HG columns). KW: as ``_words_codes`` (``rows * KW / 32 +
-        group``)."""
+        the group of each of the HG columns)."""
         G: tl.constexpr = K // 32
-        GW: tl.constexpr = (KW if KW else K) // 32
         HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
         hg = tl.arange(0, HG)
         if QTYPE == 8:
@@ -2060,7 +1974,7 @@ if triton_enabled():
             gg = hg
         xm = (g0 + gg < G) & (t + gg < GROUPS_PER_SPLIT)
         gm = mask_n[:, None] & xm[None, :]
-        gidx = rows[:, None] * GW + (g0 + gg)[None, :]                         # rows * G + g
+        gidx = rows[:, None] * G + (g0 + gg)[None, :]                          # rows * G + g
         if not EVEN:
             gidx = tl.where(gm, gidx, 0)
         return gidx, gm, xm, gg
@@ -2174,7 +2088,7 @@ if triton_enabled():
                            h_ptr=None, eps=0.0, NORM: tl.constexpr = False, NORM_RES: tl.constexpr = False,
                            EVICT: tl.constexpr = "", qw_ptr=None, qd_ptr=None, qs_ptr=None, F=0,
                            GLU: tl.constexpr = -1, KPAIR: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                           PID0: tl.constexpr = 0, PARTS: tl.constexpr = 1):
+                           PID0: tl.constexpr = 0):
         """``_gemv_kernel``'s product with the tile held as code words (``_words_tile``). EVEN: no
         partial row block or tile (every mask is true, so none is applied). EARLY: the first
         tile's code words are loaded before the wait for the previous kernel (weights only).
@@ -2193,10 +2107,7 @@ if triton_enabled():
         order). PID0: this weight is a part of a stack whose output rows start at row block PID0
         (``quant_matmul(out=, row0=)``): program ``pid_n`` computes output rows of block
         ``pid_n + PID0`` from the weight's rows ``PID0 * BLOCK_N`` lower, and N is the end of its
-        rows in ``out``. PARTS > 1: the weight is in the K-split layout of PARTS slices
-        (``split_layout``; SPLIT == PARTS): split s of row r is stored row ``s * rows + r`` of
-        K / PARTS weights, which is where ``(r + s * (rows - 1)) * K / PARTS + g`` points for
-        the split's global groups g."""
+        rows in ``out``."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1) + PID0
         pid_s = tl.program_id(2)
@@ -2208,9 +2119,6 @@ if triton_enabled():
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rows = (offs_n - PID0 * BLOCK_N).to(tl.int64)
-        KW: tl.constexpr = K // PARTS
-        if PARTS > 1:       # stored rows of this split (weight addresses only)
-            rows = rows + pid_s.to(tl.int64) * (N - PID0 * BLOCK_N - 1)
         HG: tl.constexpr = TG * 2 if QTYPE == 8 else TG
         acc = tl.zeros((BLOCK_N, HG), dtype=tl.float32)
         g_start = pid_s * GROUPS_PER_SPLIT
@@ -2223,7 +2131,7 @@ if triton_enabled():
         if NORM:
             kc = tl.arange(0, K)
             nw = tl.load(nw_ptr + kc).to(tl.float32)
-            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT, KW)
+            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT)
             _pdl_enter(PDL)
             xr = _residual_chunk(nx_ptr + pid_m.to(tl.int64) * K, nr_ptr + pid_m.to(tl.int64) * K, kc, kc < K,
                                  NORM_RES)
@@ -2237,11 +2145,11 @@ if triton_enabled():
                                pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0,
                                True, xw1, xw2, xd1, xsa, xsb, EVICT, KPAIR)
         elif EARLY:
-            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT, KW)
+            w0 = _words_codes(codes_ptr, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN, EVICT)
             _pdl_enter(PDL)
             acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                pid_m, rows, mask_n, g_start, 0, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN, True, w0,
-                               EVICT=EVICT, KPAIR=KPAIR, KW=KW)
+                               EVICT=EVICT, KPAIR=KPAIR)
         else:
             _pdl_enter(PDL)
         if FIRST >= GROUPS_PER_SPLIT:
@@ -2251,37 +2159,35 @@ if triton_enabled():
             # loads its own tile again (in range, never used)
             LAST: tl.constexpr = (GROUPS_PER_SPLIT - 1) // TG * TG
             wn = _words_codes(codes_ptr, rows, mask_n, g_start + FIRST, FIRST, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN,
-                              EVICT, KW)
-            gn, _gm, _xm, _gg = _words_gidx(rows, mask_n, g_start + FIRST, FIRST, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN,
-                                            KW)
+                              EVICT)
+            gn, _gm, _xm, _gg = _words_gidx(rows, mask_n, g_start + FIRST, FIRST, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
             s0n, s1n, s2n, s3n = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gn, QTYPE, ASM, KPAIR)
             for t in range(FIRST, GROUPS_PER_SPLIT, TG):
                 w, s0, s1, s2, s3 = wn, s0n, s1n, s2n, s3n
                 tn = tl.minimum(t + TG, LAST)
                 wn = _words_codes(codes_ptr, rows, mask_n, g_start + tn, tn, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN,
-                                  EVICT, KW)
-                gn, _gm, _xm, _gg = _words_gidx(rows, mask_n, g_start + tn, tn, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN,
-                                                KW)
+                                  EVICT)
+                gn, _gm, _xm, _gg = _words_gidx(rows, mask_n, g_start + tn, tn, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
                 s0n, s1n, s2n, s3n = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gn, QTYPE, ASM, KPAIR)
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
-                                   True, w, EVICT=EVICT, KPAIR=KPAIR, KW=KW, SGIVEN=True, s0_given=s0, s1_given=s1,
+                                   True, w, EVICT=EVICT, KPAIR=KPAIR, SGIVEN=True, s0_given=s0, s1_given=s1,
                                    s2_given=s2, s3_given=s3)
         elif UNROLL:
             for t in tl.static_range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
-                                   EVICT=EVICT, KPAIR=KPAIR, KW=KW)
+                                   EVICT=EVICT, KPAIR=KPAIR)
         elif STAGES > 0:
             for t in tl.range(FIRST, GROUPS_PER_SPLIT, TG, num_stages=STAGES):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
-                                   EVICT=EVICT, KPAIR=KPAIR, KW=KW)
+                                   EVICT=EVICT, KPAIR=KPAIR)
         else:
             for t in range(FIRST, GROUPS_PER_SPLIT, TG):
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
-                                   EVICT=EVICT, KPAIR=KPAIR, KW=KW)
+                                   EVICT=EVICT, KPAIR=KPAIR)
         if GLU >= 0:
             _glu_quant_store(tl.sum(acc, axis=1), out_ptr, qw_ptr, qd_ptr, qs_ptr, pid_m, pid_n, F, GLU, count_ptr)
         else:
@@ -2404,10 +2310,7 @@ if triton_enabled():
     @triton.jit
     def _dequant_kernel(out_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, N,
                         K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                        KPAIR: tl.constexpr = False, PARTS: tl.constexpr = 1, NOUT=0):
-        """The [N, K] weight's rows ``pid_n * BLOCK_N ..``, groups ``pid_g * GROUPS ..``, into
-        ``out``; PARTS > 1: it is the K-split layout of an [NOUT, K * PARTS] weight (row
-        ``s * NOUT + r`` holds slice s of row r), written to out's logical places."""
+                        KPAIR: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_g = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -2426,9 +2329,6 @@ if triton_enabled():
             if QTYPE == 12 or QTYPE == 13:
                 wa = wa - offset[:, None]
                 wb = wb - offset[:, None]
-            if PARTS > 1:
-                ptrs = out_ptr + ((rows % NOUT) * (K * PARTS) + (rows // NOUT) * K)[:, None] + g * 32 + h[None, :]
-            else:
-                ptrs = out_ptr + rows[:, None] * K + g * 32 + h[None, :]
+            ptrs = out_ptr + rows[:, None] * K + g * 32 + h[None, :]
             tl.store(ptrs, wa.to(out_ptr.dtype.element_ty), mask=mask_n[:, None])
             tl.store(ptrs + 16, wb.to(out_ptr.dtype.element_ty), mask=mask_n[:, None])

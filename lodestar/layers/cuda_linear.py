@@ -80,8 +80,7 @@ class CudaQuantLinear(nn.Module):
         self._tq = tq
         self.qtype = T(int(qtype))
         self.in_features, self.out_features = in_features, out_features
-        # laid out for its tiling's K splits, if any (triton_quant.split_layout)
-        self.weight = tq.load_layout(tq.pack(self.qtype, data.to(device), out_features, in_features))
+        self.weight = tq.pack(self.qtype, data.to(device), out_features, in_features)
         tq.reserve_tile_counters(self.weight)       # before any CUDA-graph capture
         self.out_dtype: torch.dtype | None = None   # None: x's dtype; the head sets float32
 
