@@ -286,6 +286,11 @@ def prefetch_sites() -> frozenset[str]:
     return sites
 
 
+# Types whose down projection launches before the activation kernel ahead of it waits (unless
+# LODESTAR_PDL_EARLY says otherwise; see ``launch_early``).
+EARLY_DOWN_TYPES = (T.Q4_K,)
+
+
 def launch_early(site: str, module: object = None, rows: int = 0) -> bool:
     """Whether the small kernel before projection ``site`` (one of ``PREFETCH_SITES``;
     ``module`` for ``rows`` rows) lets that projection's kernel launch before its own wait
@@ -293,19 +298,26 @@ def launch_early(site: str, module: object = None, rows: int = 0) -> bool:
     while the kernel before the small one drains, and read the weights they read before
     their wait then. Env ``LODESTAR_PDL_EARLY``, a comma list of sites or ``none``; unset:
     the quantized projections whose programs read all their weights before the wait
-    (``triton_quant.loads_all_before_wait``: at 8B, Q4_0's q|k|v). Read at each call; same
-    bits either way.
+    (``triton_quant.loads_all_before_wait``: at 8B, the q|k|v of Q4_0 and Q4_K), and a
+    down projection of a type in ``EARLY_DOWN_TYPES``. Read at each call; same bits either
+    way.
 
     H200, 8B one-stream decode, same tokens on every side: run 67, Q4_0 559.9 -> 564.4
     tok/s with q|k|v (gate|up 559.1; all of q|k|v, gate|up, down and the head 567.5); run
     68, q|k|v with down and the head 565.1, with down 565.0, with the head 564.2; Q4_K
-    (whose q|k|v tiles are not whole rows) 535.0 -> 529.9 with q|k|v, 536.7 with down."""
+    (whose q|k|v tiles are not whole rows) 535.0 -> 529.9 with q|k|v, 536.7 with down. With
+    Q4_K's q|k|v in whole rows, down launched early too (after the SiLU·mul kernel): run 154
+    585.2 / 585.1 -> 586.8, run 158 586.6 / 586.5 -> 587.7 / 587.9; Q4_K_M 536.6 / 535.4 ->
+    535.2 / 536.0, Q5_K_M 457.4 / 457.2 -> 456.8 / 456.5, Q8_0 404.0 / 403.8 -> 404.3 / 403.9
+    (run 158), hence Q4_K only."""
     env = os.environ.get("LODESTAR_PDL_EARLY", "").strip()
     if not env:
         from lodestar.kernels.triton_quant import loads_all_before_wait
         if isinstance(module, CudaQuantStack):     # its first part's kernel follows the small one
             module = module.parts[0]
-        return isinstance(module, CudaQuantLinear) and loads_all_before_wait(module.weight, rows)
+        if not isinstance(module, CudaQuantLinear):
+            return False
+        return loads_all_before_wait(module.weight, rows) or (site == "down" and module.qtype in EARLY_DOWN_TYPES)
     sites = frozenset(s.strip() for s in env.split(",") if s.strip())
     if not sites <= set(PREFETCH_SITES) | {"none"}:
         raise ValueError(f"LODESTAR_PDL_EARLY={env!r}; use none or a comma list of {', '.join(PREFETCH_SITES)}")

@@ -312,9 +312,15 @@ def test_launch_early_sites(monkeypatch):
     """LODESTAR_PDL_EARLY names the projections whose kernel launches before the small
     kernel before it waits (or none); unset: the quantized projections whose programs read
     all their weights before their wait; an unknown site is an error."""
-    from lodestar.layers.cuda_linear import PREFETCH_SITES, launch_early
+    from lodestar.layers.cuda_linear import PREFETCH_SITES, CudaQuantLinear, launch_early
     monkeypatch.delenv("LODESTAR_PDL_EARLY", raising=False)
     assert not launch_early("qkv", torch.nn.Linear(4, 4), 1)       # not a quantized projection
+    # a down projection of a type in EARLY_DOWN_TYPES (Q4_K), not another's
+    down = {t: CudaQuantLinear(t, random_gguf(t, 64, 512), 512, 64, torch.device("cpu"))
+            for t in (tq.T.Q4_K, tq.T.Q6_K)}
+    monkeypatch.setattr(tq, "loads_all_before_wait", lambda *a, **k: False)
+    assert launch_early("down", down[tq.T.Q4_K], 1) and not launch_early("down", down[tq.T.Q6_K], 1)
+    assert not launch_early("gate_up", down[tq.T.Q4_K], 1)
     monkeypatch.setenv("LODESTAR_PDL_EARLY", "none")
     assert not any(launch_early(s) for s in PREFETCH_SITES)
     monkeypatch.setenv("LODESTAR_PDL_EARLY", "qkv, gate_up")
