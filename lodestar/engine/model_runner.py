@@ -349,8 +349,9 @@ class ModelRunner:
                          for _ in range(2)]
             g["out"] = 0
         # positions, slots, lengths and block tables share one device buffer laid out as the
-        # staging one (``_input_views``), so that a step's inputs usually go in one copy; it
-        # starts as a copy of the staging buffer's padded-row values
+        # staging one (``_input_views``): mapped, the graph's first kernel fills it from the
+        # stage; otherwise a step's inputs usually reach it in one copy. It starts as a copy
+        # of the staging buffer's padded-row values
         g["raw"] = g["stages"][0]["raw"].to(dev)
         g.update(self._input_views(g["raw"], size))
         meta = GpuAttentionMeta(g["slots"], g["tables"], g["lens"], num_partitions(self.max_blocks * bs),
