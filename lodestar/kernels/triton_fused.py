@@ -21,6 +21,10 @@
     ``act(gate) * up`` over [T, F] views (gate and up may be halves of one fused output),
     fp32 math, one rounding (``triton_dense._glu_act``, shared with the dense kernel's
     GLU prologue); ``quantize=True`` as for ``rms_norm``.
+``embedding_rows`` [``F.embedding``]
+    The rows of a dense table at a few token ids (a decode step's), copied as they are,
+    launched as the decode kernels are (``triton_quant.pdl``), so that it waits in place
+    for the kernel before it instead of being launched after it.
 """
 from __future__ import annotations
 
@@ -214,6 +218,27 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.gelu(gate.float(), approximate="tanh") * up.float()).to(gate.dtype)
+
+
+# ------------------------------------------------------------------------- embedding
+
+EMBED_BLOCK = 1024      # columns a program copies
+
+
+def embedding_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` for int64 ids (any shape) and a 2-D table whose rows are
+    contiguous: the rows copied by one kernel of (ids, ``EMBED_BLOCK`` columns) programs. An
+    id outside the table gives a row of zeros (``F.embedding`` raises)."""
+    if ids.dtype != torch.int64 or weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"embedding_rows: int64 ids and a 2-D table with contiguous rows; got {ids.dtype}, "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    flat = ids.reshape(-1).contiguous()
+    v, d = weight.shape
+    out = torch.empty(flat.numel(), d, device=weight.device, dtype=weight.dtype)
+    if flat.numel():
+        _embed_kernel[(flat.numel(), -(-d // EMBED_BLOCK))](flat, weight, out, v, d, weight.stride(0),
+                                                            BLOCK=EMBED_BLOCK, num_warps=4, **pdl())
+    return out.view(*ids.shape, d)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -428,3 +453,15 @@ if triton_enabled():
         if QUANT:
             # Fd is a multiple of 32 here: the masked tail holds whole groups only
             _quant_store(words_ptr, d1_ptr, sums_ptr, y, t, tl.program_id(1) * (BLOCK // 32), Fd, BLOCK)
+
+    @triton.jit
+    def _embed_kernel(ids_ptr, w_ptr, out_ptr, V, D, stride_w, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Columns ``program_id(1) * BLOCK ..`` of the table row at id ``program_id(0)``."""
+        _pdl_enter(PDL)
+        r = tl.program_id(0)
+        row = tl.load(ids_ptr + r)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = (row >= 0) & (row < V)
+        m = cols < D
+        v = tl.load(w_ptr + tl.where(ok, row, 0) * stride_w + cols, mask=m & ok, other=0)
+        tl.store(out_ptr + r.to(tl.int64) * D + cols, v, mask=m)

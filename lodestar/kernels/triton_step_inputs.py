@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from lodestar.kernels.triton_quant import triton_enabled
+from lodestar.kernels.triton_quant import pdl, triton_enabled
 
 HEADER_BYTES = 16
 # Table elements (rows x columns) read in the first round trip; more columns, one more trip each.
@@ -91,7 +91,7 @@ def take_inputs(host: torch.Tensor, ctl: torch.Tensor, raw: torch.Tensor, ids: t
     _take_inputs_kernel[(1,)](host.view(torch.int32), ctl, raw.view(torch.int32), ids.view(torch.int32),
                               STAGE_WORDS=host.shape[1] // 4, SIZE=size, SIZE_PAD=_pow2(size),
                               MAXB=max_blocks, FIXED=fixed, FIXED_PAD=_pow2(fixed), IDS_PAD=_pow2(2 * size),
-                              WC=wc, INTERP=_INTERP, num_warps=4)
+                              WC=wc, INTERP=_INTERP, EARLY=pdl()["PDL"] is not False, num_warps=4)
 
 
 def take_inputs_ref(host: torch.Tensor, ctl: torch.Tensor, raw: torch.Tensor, ids: torch.Tensor, size: int,
@@ -117,15 +117,21 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
+    from triton.language.extra.cuda import gdc_launch_dependents
+
     from lodestar.kernels.triton_attention import _loop_bound
 
     @triton.jit
     def _take_inputs_kernel(host_ptr, ctl_ptr, raw_ptr, ids_ptr, STAGE_WORDS: tl.constexpr, SIZE: tl.constexpr,
                             SIZE_PAD: tl.constexpr, MAXB: tl.constexpr, FIXED: tl.constexpr,
                             FIXED_PAD: tl.constexpr, IDS_PAD: tl.constexpr, WC: tl.constexpr,
-                            INTERP: tl.constexpr):
+                            INTERP: tl.constexpr, EARLY: tl.constexpr = False):
         """All of ``take_inputs`` in int32 words: header at 0, ids at 4, the input buffer at
-        4 + 2 * SIZE (FIXED words, then SIZE x MAXB table words)."""
+        4 + 2 * SIZE (FIXED words, then SIZE x MAXB table words). EARLY: the next kernel
+        (launched as ``triton_quant.pdl`` launches, so it waits for this one to end) may
+        launch at once."""
+        if EARLY:
+            gdc_launch_dependents()
         step = tl.load(ctl_ptr)
         par = step % 2
         base = host_ptr + par * STAGE_WORDS

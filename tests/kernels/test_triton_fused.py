@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from triton_helpers import kernel_device
 
 from lodestar.kernels import triton_fused as tf
@@ -171,3 +172,30 @@ def test_weight_prefetch_changes_no_result(monkeypatch):
             assert tq.prefetch_launch(arrays, 1, 4, 256)[0] > 0
             for got, want in zip(run(), ref):
                 assert torch.equal(got, want)
+
+
+def test_embedding_rows_copies_the_table_rows(monkeypatch):
+    """``embedding_rows`` gives ``F.embedding``'s rows (bf16 and fp32 tables, a table with a
+    row stride past its width, ids in any shape; an id outside the table: zeros), and the
+    CUDA embedding module uses it for a decode step's ids unless ``LODESTAR_EMBED_KERNEL=0``."""
+    from lodestar.kernels.triton_fused import EMBED_BLOCK, embedding_rows
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(3)
+    for dtype, d in ((torch.bfloat16, 2 * EMBED_BLOCK + 40), (torch.float32, 576)):
+        wide = torch.randn(50, d + 8, generator=g).to(dtype).to(dev)
+        table = wide[:, :d]                                  # rows 8 elements apart
+        ids = torch.tensor([[3, 0, 49], [7, 7, 12]], device=dev)
+        got = embedding_rows(ids, table)
+        assert got.shape == (2, 3, d) and torch.equal(got, F.embedding(ids, table))
+        bad = embedding_rows(torch.tensor([50, -1, 4], device=dev), table)
+        assert (bad[:2] == 0).all() and torch.equal(bad[2], table[4])
+    with pytest.raises(ValueError, match="int64 ids"):
+        embedding_rows(ids.int(), table)
+    from lodestar.layers import cuda_linear
+    monkeypatch.setenv("LODESTAR_EMBED_KERNEL", "2")
+    with pytest.raises(ValueError, match="LODESTAR_EMBED_KERNEL"):
+        cuda_linear.embed_kernel_on()
+    monkeypatch.setenv("LODESTAR_EMBED_KERNEL", "0")
+    assert not cuda_linear.embed_kernel_on()
+    monkeypatch.delenv("LODESTAR_EMBED_KERNEL")
+    assert cuda_linear.embed_kernel_on()
