@@ -482,7 +482,7 @@ class CudaEmbedding(nn.Module):
         self._head: nn.Module | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.is_cuda and ids.numel() <= EMBED_KERNEL_MAX_IDS and embed_kernel_on():
+        if ids.is_cuda and ids.dtype == torch.int64 and ids.numel() <= EMBED_KERNEL_MAX_IDS and embed_kernel_on():
             from lodestar.kernels.triton_fused import embedding_rows
             return embedding_rows(ids, self.weight)
         return F.embedding(ids, self.weight)
