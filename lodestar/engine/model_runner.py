@@ -380,15 +380,13 @@ class ModelRunner:
     def _graph_body(self, g: dict) -> torch.Tensor:
         """What a decode graph runs: (mapped: its inputs taken from the host stage), the model,
         the head, the greedy tokens (mapped: also into the host's result slot)."""
-        if g["mode"] == "mapped":
+        mapped = g["mode"] == "mapped"
+        if mapped:
             from lodestar.kernels.triton_step_inputs import take_inputs
             size = g["size"]
             take_inputs(g["host"], g["ctl"], g["raw"], g["ids"], size, self.max_blocks, self._tables_offset(size))
-            logits = self._forward_logits(g)
-            greedy_into(logits, g["res"], host=(g["outs_host"], g["ctl"]))
-            return logits
         logits = self._forward_logits(g)
-        greedy_into(logits, g["res"])
+        greedy_into(logits, g["res"], host=(g["outs_host"], g["ctl"]) if mapped else None)
         return logits
 
     @staticmethod

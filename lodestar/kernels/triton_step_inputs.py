@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from lodestar.kernels.triton_fused import _pow2
 from lodestar.kernels.triton_quant import pdl, triton_enabled
 
 HEADER_BYTES = 16
@@ -57,10 +58,6 @@ def stage_views(stage: torch.Tensor, size: int, input_bytes: int) -> dict:
     i0 = HEADER_BYTES + 8 * size
     return {"header": stage[:HEADER_BYTES].view(torch.int32), "ids": stage[HEADER_BYTES:i0].view(torch.int64),
             "raw": stage[i0:i0 + input_bytes]}
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def table_chunk(size: int, max_blocks: int) -> int:
