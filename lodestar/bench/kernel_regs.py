@@ -14,7 +14,7 @@ many waves a projection's programs run.
 A case is ``KIND:TYPE:N,K:CONFIG`` (``CONFIG`` as ``LODESTAR_GEMV``): ``gemv`` the plain
 product, ``gemv-sum`` with its K splits left to the next RMSNorm (fusion ``norm_sum``),
 ``glu`` the gate|up product of ``glu_quant`` (N = 2 x the FFN width). Prints one JSON line a
-case. A Q4_K / Q5_K weight's scales are laid out as ``triton_quant.kquant_pairs`` would on
+case. A Q4_K / Q5_K weight's scales are laid out as ``triton_quant.kquant_scales`` would on
 the GPU named by ``--gpu`` (its ``SCALES`` table entry; ``LODESTAR_KQUANT_SCALES`` and
 ``LODESTAR_GEMV_TABLE`` as there), reported as ``scales``. ``--sass`` adds instruction counts
 of the compiled kernel (``sass_counts``: the whole kernel's, and a pass of its tile loop). Runs in a process of its own: the kernels are defined when ``triton_quant`` is first
@@ -167,9 +167,9 @@ def _measure_case(text: str, tq, kernel, calls: list, backend, target, sms: int,
     qtype = T[qname]
     rows = min(n, 2 * max(cfg.block_n, 32))     # the kernel does not depend on N; a small weight will do
     blocks, size = GGML_QUANT_SIZES[qtype]
-    pairs = tq.kquant_pairs(qtype, n, k, None, gpu)     # the [n, k] weight's layout, for the smaller one
-    scales = ("pair" if pairs else "split") if qtype in (T.Q4_K, T.Q5_K) else None
-    pw = tq.pack(qtype, torch.zeros(rows, k // blocks * size, dtype=torch.uint8), rows, k, pairs=pairs)
+    form = tq.kquant_scales(qtype, n, k, None, gpu)     # the [n, k] weight's layout, for the smaller one
+    scales = form if qtype in (T.Q4_K, T.Q5_K) else None
+    pw = tq.pack(qtype, torch.zeros(rows, k // blocks * size, dtype=torch.uint8), rows, k, scales=form)
     words, d1, sums = tq.QuantizedRows.empty(1, k, torch.device("cpu"))
     x = tq.QuantizedRows(torch.zeros(1, k, dtype=torch.bfloat16), words, d1, sums)
     if kind == "glu":

@@ -14,9 +14,13 @@ Q4_1   uint8 [N, K/2]             d, m fp16 [N, K/32];  w = d * q + m         0.
 Q8_0   int8 [N, K]                d fp16 [N, K/32];  w = d * q                1.0625
 Q4_K   uint8 [N, K/2]             d, dmin fp16 [N, K/256]; sc, m uint8        0.578
                                   [N, K/32];  w = (d*sc) * q - dmin*m; or
-                                  in pairs (``kquant_pairs``): d fp16
+                                  in pairs (``kquant_scales`` pair): d fp16
                                   [N, K/128] = (d, dmin) a block, sc uint8
-                                  [N, K/16] = (sc, m) a group
+                                  [N, K/16] = (sc, m) a group; or as the
+                                  file holds them (``block``, 0.5625 bytes a
+                                  weight): d int32 [N, K/64] = a block's 16
+                                  header bytes, (d, dmin) then the 6-bit
+                                  (sc, m) of its 8 groups in 12 bytes
 Q5_K   as Q4_K + high: int32      as Q4_K;  q = low | bit << 4                0.703
        [N, K/32]: the 5th bits
        of weights 4j + b and
@@ -323,10 +327,19 @@ class PackedWeight:
     tile_counters: torch.Tensor | None = None
 
     @property
+    def scale_form(self) -> int:
+        """The kernels' ``KPAIR``: 0 for Q4_K / Q5_K scales in four arrays (and every other
+        type), 1 in pairs (``d`` holds (d, dmin) and ``sc`` (sc, m) side by side), 2 in blocks
+        (``d`` int32 holds each block's 16 header bytes as the file does); ``dmin``, ``sc``
+        and ``m`` None where they are not arrays of their own (``kquant_scales``)."""
+        if self.qtype not in (T.Q4_K, T.Q5_K) or self.dmin is not None:
+            return 0
+        return 2 if self.d.dtype == torch.int32 else 1
+
+    @property
     def paired(self) -> bool:
-        """Q4_K / Q5_K scales in pairs (``kquant_pairs``): ``d`` holds (d, dmin) and ``sc``
-        (sc, m) side by side, ``dmin`` and ``m`` are None."""
-        return self.qtype in (T.Q4_K, T.Q5_K) and self.dmin is None
+        """Q4_K / Q5_K scales in pairs (``scale_form`` 1)."""
+        return self.scale_form == 1
 
     @property
     def nbytes(self) -> int:
@@ -377,17 +390,23 @@ def _shift(x: torch.Tensor, *values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.uint8, device=x.device)
 
 
-def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.device | None,
-                 gpu: str | None = None) -> bool:
-    """Whether ``pack`` lays out an [n, k] Q4_K / Q5_K weight's scales in pairs: a block's
-    (d, dmin) side by side in ``d`` (fp16 [N, K/128]) and each group's (sc, m) in ``sc``
-    (uint8 [N, K/16]), so that a kernel reads each pair in one load from one address, or
-    split in four arrays (``d``, ``dmin`` [N, K/256], ``sc``, ``m`` [N, K/32]). Same bytes,
-    same bits (``PackedWeight.paired``). Env ``LODESTAR_KQUANT_SCALES``: ``pair`` (every
-    weight), ``split`` (none), or a comma list of shapes ``NxK`` to pair; unset: the
-    ``SCALES:TYPE:n,k`` entry (``pair`` or ``split``) of the table ``LODESTAR_GEMV_TABLE``
+KQUANT_SCALE_FORMS = ("split", "pair", "block")
+
+
+def kquant_scales(qtype: GGMLQuantizationType, n: int, k: int, device: torch.device | None,
+                  gpu: str | None = None) -> str:
+    """How ``pack`` lays out an [n, k] Q4_K / Q5_K weight's scales (``PackedWeight.scale_form``):
+    ``split`` in four arrays (``d``, ``dmin`` [N, K/256], ``sc``, ``m`` [N, K/32]); ``pair``:
+    a block's (d, dmin) side by side in ``d`` (fp16 [N, K/128]) and each group's (sc, m) in
+    ``sc`` (uint8 [N, K/16]), so that a kernel reads each pair in one load from one address;
+    ``block``: each block's 16 header bytes as the file holds them, (d, dmin) and the 6-bit
+    (sc, m) of its 8 groups, in ``d`` (int32 [N, K/64]), one 16-byte load a block and 2.7%
+    fewer bytes than the other two (144 a block of 256 weights against 148), the 6-bit
+    fields unpacked in the kernel. Same bits from every form. Env ``LODESTAR_KQUANT_SCALES``:
+    a form for every weight, or a comma list of shapes ``NxK`` to pair (the others split);
+    unset: the ``SCALES:TYPE:n,k`` entry (a form) of the table ``LODESTAR_GEMV_TABLE``
     names, else of the shipped table for the GPU model ``gpu`` or ``device``'s
-    (``table_entry``); else split. Read at each ``pack``.
+    (``table_entry``); else split. Read at each ``pack``. Other types: ``split`` (one form).
 
     Pairs take fewer instructions (the word-tile loop of the 8B gate|up, 8 rows x 32 groups
     x 1 warp, compiled for sm_90: 447 a tile against 506, 31 loads against 47) but not less
@@ -402,25 +421,26 @@ def kquant_pairs(qtype: GGMLQuantizationType, n: int, k: int, device: torch.devi
     578.7 against 568.3 for the q|k|v before. Down paired lost in every tiling tried (runs
     102-104, 109). The H200 table pairs o, gate|up and q|k|v."""
     if qtype not in (T.Q4_K, T.Q5_K):
-        return False
+        return "split"
     value = os.environ.get("LODESTAR_KQUANT_SCALES", "").strip()
-    if value in ("pair", "split"):
-        return value == "pair"
+    if value in KQUANT_SCALE_FORMS:
+        return value
     if value:
         try:
             shapes = {tuple(int(v) for v in part.strip().split("x")) for part in value.split(",") if part.strip()}
         except ValueError:
             shapes = set()
         if not shapes or any(len(sh) != 2 for sh in shapes):
-            raise ValueError(f"LODESTAR_KQUANT_SCALES={value!r}: give pair, split or shapes NxK[,NxK...]")
-        return (n, k) in shapes
-    return table_entry(f"SCALES:{T(qtype).name}:{n},{k}", device, gpu) == "pair"
+            raise ValueError(f"LODESTAR_KQUANT_SCALES={value!r}: give pair, split, block or shapes NxK[,NxK...]")
+        return "pair" if (n, k) in shapes else "split"
+    entry = table_entry(f"SCALES:{T(qtype).name}:{n},{k}", device, gpu)
+    return entry if entry in KQUANT_SCALE_FORMS else "split"
 
 
 def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int,
-         pairs: bool | None = None) -> PackedWeight:
+         scales: str | None = None) -> PackedWeight:
     """GGUF bytes ``[n, bytes_per_row]`` (any device) -> ``PackedWeight`` on the same device.
-    ``pairs``: lay Q4_K / Q5_K scales out in pairs or not; None: ``kquant_pairs``."""
+    ``scales``: the Q4_K / Q5_K scale form (``KQUANT_SCALE_FORMS``); None: ``kquant_scales``."""
     qtype = T(int(qtype))
     if qtype not in GPU_QUANT_TYPES:
         raise ValueError(f"no GPU kernel for {qtype.name}; kernels exist for "
@@ -446,7 +466,13 @@ def pack(qtype: GGMLQuantizationType | int, data: torch.Tensor, n: int, k: int,
             qh = b[:, 16:48]
             bits = ((qh.reshape(nb, 1, 32) >> _shift(b, *range(8)).reshape(1, 8, 1)) & 1)   # [nb, 8, 32]
             high = rows(_bits_to_words(bits[..., torch.tensor(Q5K_HIGH_ORDER, device=b.device)], 1))
-        if pairs if pairs is not None else kquant_pairs(qtype, n, k, data.device):
+        form = scales if scales is not None else kquant_scales(qtype, n, k, data.device)
+        if form not in KQUANT_SCALE_FORMS:
+            raise ValueError(f"scales={form!r}; use one of {', '.join(KQUANT_SCALE_FORMS)}")
+        if form == "block":
+            return PackedWeight(qtype, n, k, rows(_pack_nibbles(low)), rows(b[:, 0:16].contiguous().view(torch.int32)),
+                                high=high)
+        if form == "pair":
             return PackedWeight(qtype, n, k, rows(_pack_nibbles(low)), rows(b[:, 0:4].contiguous().view(torch.float16)),
                                 high=high, sc=rows(torch.stack((sc, mn), dim=-1)))
         return PackedWeight(qtype, n, k, rows(_pack_nibbles(low)), rows(_f16(b, 0)), high=high,
@@ -488,7 +514,11 @@ def _scales_ref(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None, in
     if pw.qtype == T.Q4_1:
         return pw.d.float(), pw.m.float(), 32
     if pw.qtype in (T.Q4_K, T.Q5_K):
-        if pw.paired:
+        if pw.scale_form == 2:
+            head = pw.d.view(torch.uint8).reshape(-1, 16)                     # a block's header bytes
+            d, dmin = (head[:, 0:4].contiguous().view(torch.float16).float().reshape(pw.n, -1, 2).unbind(-1))
+            sc, m = (t.float().reshape(pw.n, -1) for t in dq._k_scale_min(head[:, 4:16]))
+        elif pw.paired:
             d, dmin = pw.d.float()[:, 0::2], pw.d.float()[:, 1::2]
             sc, m = pw.sc.float()[:, 0::2], pw.sc.float()[:, 1::2]
         else:
@@ -1239,7 +1269,7 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                                  LAST_SUMS=fused_sum, ASM=not interpreted(), STAGES=cfg.stages, UNROLL=cfg.unroll,
                                  EVEN=even,
                                  EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), **rope_c,
-                                 **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), KPAIR=pw.paired,
+                                 **norm_c, EVICT=weight_evict(pw.qtype, pw.n, pw.k), KPAIR=pw.scale_form,
                                  PREFETCH=cfg.prefetch, PID0=row0 // cfg.block_n, num_warps=cfg.num_warps,
                                  maxnreg=cfg.maxnreg or None, **launch)
     else:
@@ -1247,7 +1277,7 @@ def quant_matmul(x, pw: PackedWeight, out_dtype: torch.dtype | None = None,
                            K=pw.k, QTYPE=int(pw.qtype), BLOCK_N=cfg.block_n, TG=cfg.tile_groups,
                            GROUPS_PER_SPLIT=per_split, SPLIT=cfg.split_k, LAST_SUMS=fused_sum,
                            ASM=not interpreted(), PREFETCH=cfg.prefetch, STAGES=cfg.stages, UNROLL=cfg.unroll,
-                           KPAIR=pw.paired, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
+                           KPAIR=pw.scale_form, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
     if defer_sum:
         return SplitPartials(part, out_dtype)
     if cfg.split_k > 1 and not fused_sum:
@@ -1353,7 +1383,7 @@ def quant_glu(x, pw: PackedWeight, ffn: int, act: int, config: GemvConfig | None
         GROUPS_PER_SPLIT=groups, SPLIT=1, LAST_SUMS=False, ASM=not interpreted(), STAGES=cfg.stages,
         UNROLL=cfg.unroll, EVEN=even, EARLY=gemv_early(pw.n, pw.k, whole_rows(cfg, pw.k)), ROPE=False, NQ=0,
         NK=0, HD=0, EVICT=weight_evict(pw.qtype, pw.n, pw.k), qw_ptr=qw, qd_ptr=qd, qs_ptr=qs, F=ffn, GLU=act,
-        KPAIR=pw.paired, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
+        KPAIR=pw.scale_form, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg or None, **pdl())
     return QuantizedRows(out, qw, qd, qs)
 
 
@@ -1365,7 +1395,7 @@ def dequantize_packed(pw: PackedWeight, dtype: torch.dtype = torch.bfloat16) -> 
     block_n = 32
     grid = (-(-pw.n // block_n), groups // per)
     _dequant_kernel[grid](out, *_ptr_args(pw), pw.n, K=pw.k, QTYPE=int(pw.qtype),
-                          BLOCK_N=block_n, GROUPS=per, KPAIR=pw.paired, num_warps=4)
+                          BLOCK_N=block_n, GROUPS=per, KPAIR=pw.scale_form, num_warps=4)
     return out
 
 
@@ -1420,7 +1450,7 @@ if triton_enabled():
         """(scale of weights 0..15, scale of 16..31, offset) fp32 [BN] of group ``g``.
 
         w = scale * q + offset for Q4_1, scale * q - offset for Q4_K/Q5_K, scale * q otherwise.
-        KPAIR: Q4_K/Q5_K scales in pairs (``PackedWeight.paired``).
+        KPAIR: Q4_K/Q5_K scale form (``PackedWeight.scale_form``).
         """
         if QTYPE == 14:  # Q6_K: one scale per 16 weights
             d = tl.load(d_ptr + rows * (K // 256) + g // 8, mask=mask_n, other=0).to(tl.float32)
@@ -1432,7 +1462,9 @@ if triton_enabled():
         elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K
             blk = rows * (K // 256) + g // 8
             grp = rows * (K // 32) + g
-            if KPAIR:
+            if KPAIR == 2:
+                d, dmin, sc, mn = _block_scales(d_ptr, blk, g % 8, mask_n)
+            elif KPAIR == 1:
                 d = tl.load(d_ptr + 2 * blk, mask=mask_n, other=0).to(tl.float32)
                 dmin = tl.load(d_ptr + 2 * blk + 1, mask=mask_n, other=0).to(tl.float32)
                 sc = tl.load(sc_ptr + 2 * grp, mask=mask_n, other=0).to(tl.float32)
@@ -1557,7 +1589,7 @@ if triton_enabled():
         xsa, xsb [TG]). Places a type has no use for repeat a loaded value (never read).
 
         Scales: Q4_0/Q8_0 (d, -, -, -), Q4_1 (d, m, -, -), Q4_K/Q5_K (d, dmin, sc, m; KPAIR:
-        read from the paired arrays, ``PackedWeight.paired``), Q6_K (d, sc of weights 0..15,
+        the scale form, ``PackedWeight.scale_form``; blocks are unpacked here), Q6_K (d, sc of weights 0..15,
         sc of 16..31, -)."""
         G: tl.constexpr = K // 32
         i4 = tl.arange(0, 4)
@@ -1573,7 +1605,9 @@ if triton_enabled():
             s2 = tl.load(sc_ptr + r2 * (K // 16) + 2 * g2 + 1, mask=mask2, other=0)
             s3 = s0
         elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K
-            if KPAIR:
+            if KPAIR == 2:     # unpacked here: fp32 (d, dmin, sc, m)
+                s0, s1, s2, s3 = _block_scales(d_ptr, r2 * (K // 256) + g2 // 8, g2 % 8, mask2)
+            elif KPAIR == 1:
                 s0 = tl.load(d_ptr + 2 * (r2 * (K // 256) + g2 // 8), mask=mask2, other=0)
                 s1 = tl.load(d_ptr + 2 * (r2 * (K // 256) + g2 // 8) + 1, mask=mask2, other=0)
                 s2 = tl.load(sc_ptr + 2 * (r2 * (K // 32) + g2), mask=mask2, other=0)
@@ -1945,7 +1979,7 @@ if triton_enabled():
         if SGIVEN:
             s0, s1, s2, s3 = s0_given, s1_given, s2_given, s3_given
         else:
-            s0, s1, s2, s3 = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gidx, QTYPE, ASM, KPAIR)
+            s0, s1, s2, s3 = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gidx, QTYPE, ASM, KPAIR, g0 + gg)
         if QTYPE == 12 or QTYPE == 13:   # Q4_K, Q5_K: w = (d*sc) * q - dmin*m
             r = (s0 * s2) * f - (s1 * s3) * xs
         elif QTYPE == 14:                # Q6_K: w = (d*sc) * (q - 32) per 16 weights
@@ -1980,14 +2014,70 @@ if triton_enabled():
         return gidx, gm, xm, gg
 
     @triton.jit
+    def _block_scales(d_ptr, blk, j, mask):
+        """fp32 (d, dmin, sc, m) of group ``j`` (0..7) of Q4_K / Q5_K blocks ``blk`` from scales
+        in blocks (``PackedWeight.scale_form`` 2: four int32 words a block, (d, dmin) fp16 in
+        the first, then the file's 12 bytes q[0..11] of 6-bit fields: group j < 4 has sc =
+        q[j] & 63 and m = q[j + 4] & 63; group 4 + i has sc = (q[8 + i] & 15) | (q[i] >> 6) << 4
+        and m = (q[8 + i] >> 4) | (q[4 + i] >> 6) << 4). ``mask``: None, or where to load."""
+        p = d_ptr + 4 * blk
+        if mask is None:
+            w0 = tl.load(p)
+            w1 = tl.load(p + 1)
+            w2 = tl.load(p + 2)
+            w3 = tl.load(p + 3)
+        else:
+            w0 = tl.load(p, mask=mask, other=0)
+            w1 = tl.load(p + 1, mask=mask, other=0)
+            w2 = tl.load(p + 2, mask=mask, other=0)
+            w3 = tl.load(p + 3, mask=mask, other=0)
+        d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        px = (j % 4) * 8
+        first = j < 4
+        sc = tl.where(first, (w1 >> px) & 63, ((w3 >> px) & 15) | (((w1 >> (px + 6)) & 3) << 4))
+        m = tl.where(first, (w2 >> px) & 63, ((w3 >> (px + 4)) & 15) | (((w2 >> (px + 6)) & 3) << 4))
+        return d, dmin, sc.to(tl.float32), m.to(tl.float32)
+
+    @triton.jit
+    def _ld_block_scales(ptr, j):
+        """``_block_scales`` as inline assembly: one 16-byte read-only load of the block's
+        words at ``ptr`` (16-byte aligned), then per field one byte permute, which puts the
+        byte of the 4 low bits in byte 0 (q[j] / q[j + 4] for j < 4, q[8 + i] for j = 4 + i)
+        and that of the 2 high bits in byte 1 (q[i] / q[4 + i]), and shifts and masks that
+        keep bits 0-5 of byte 0 (j < 4) or bits 0-3 (sc; m: 4-7) of byte 0 and bits 6-7 of
+        byte 1 (j = 4 + i). The values keep the register layout of ``j`` (no shared-memory
+        shuffle)."""
+        sel = j | ((j % 4) << 4)                 # prmt: byte j of (w1|w2, w3), byte j % 4 of w1|w2
+        low = tl.where(j < 4, 63, 15)            # bits taken from byte 0; the rest from byte 1
+        shift = (j // 4) * 4                     # m of j = 4 + i: the high nibble of q[8 + i]
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 w0, w1, w2, w3, r, t; .reg .b16 h0, h1;"
+            " ld.global.nc.v4.b32 {w0, w1, w2, w3}, [$4];"
+            " mov.b32 {h0, h1}, w0; cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1;"
+            " prmt.b32 r, w1, w3, $5; shr.u32 t, r, 10; lop3.b32 r, r, t, $6, 0xE4; and.b32 r, r, 63;"
+            " cvt.rn.f32.s32 $2, r;"
+            " prmt.b32 r, w2, w3, $5; shr.u32 t, r, 10; shr.u32 r, r, $7; lop3.b32 r, r, t, $6, 0xE4;"
+            " and.b32 r, r, 63; cvt.rn.f32.s32 $3, r; }",
+            "=r,=r,=r,=r,l,r,r,r", [ptr, sel, low, shift], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+
+    @triton.jit
     def _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gidx, QTYPE: tl.constexpr, ASM: tl.constexpr,
-                      KPAIR: tl.constexpr):
+                      KPAIR: tl.constexpr, gcol=0):
         """The scales ``_words_tile`` multiplies a tile's products by, fp32 [BN, HG] at ``gidx``
         (``_words_gidx``): Q4_K / Q5_K (d, dmin, sc, m), Q6_K (d, sc of weights 0..15, sc of
         16..31, -), Q4_1 (d, m, -, -), Q4_0 / Q8_0 (d, -, -, -); a place a type has no use
-        for repeats a loaded value (never read)."""
+        for repeats a loaded value (never read). ``gcol`` [HG]: the tile's groups (read for
+        Q4_K / Q5_K scales in blocks, KPAIR 2: a group's place in its block)."""
         if QTYPE == 12 or QTYPE == 13:
-            if KPAIR:
+            if KPAIR == 2:
+                j = tl.broadcast_to((gcol % 8)[None, :], gidx.shape)
+                if ASM:
+                    sd, sdm, sc, mm = _ld_block_scales(d_ptr + 4 * (gidx // 8), j)
+                else:
+                    sd, sdm, sc, mm = _block_scales(d_ptr, gidx // 8, j, None)
+            elif KPAIR == 1:
                 sd, sdm = _ld_f16x2(d_ptr + 2 * (gidx // 8), ASM)
                 sc, mm = _ld_u8x2(sc_ptr + 2 * gidx, ASM)
             else:
@@ -2160,15 +2250,17 @@ if triton_enabled():
             LAST: tl.constexpr = (GROUPS_PER_SPLIT - 1) // TG * TG
             wn = _words_codes(codes_ptr, rows, mask_n, g_start + FIRST, FIRST, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN,
                               EVICT)
-            gn, _gm, _xm, _gg = _words_gidx(rows, mask_n, g_start + FIRST, FIRST, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
-            s0n, s1n, s2n, s3n = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gn, QTYPE, ASM, KPAIR)
+            gn, _gm, _xm, gg = _words_gidx(rows, mask_n, g_start + FIRST, FIRST, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+            s0n, s1n, s2n, s3n = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gn, QTYPE, ASM, KPAIR,
+                                               g_start + FIRST + gg)
             for t in range(FIRST, GROUPS_PER_SPLIT, TG):
                 w, s0, s1, s2, s3 = wn, s0n, s1n, s2n, s3n
                 tn = tl.minimum(t + TG, LAST)
                 wn = _words_codes(codes_ptr, rows, mask_n, g_start + tn, tn, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN,
                                   EVICT)
-                gn, _gm, _xm, _gg = _words_gidx(rows, mask_n, g_start + tn, tn, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
-                s0n, s1n, s2n, s3n = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gn, QTYPE, ASM, KPAIR)
+                gn, _gm, _xm, gg = _words_gidx(rows, mask_n, g_start + tn, tn, GROUPS_PER_SPLIT, K, QTYPE, TG, EVEN)
+                s0n, s1n, s2n, s3n = _words_scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, gn, QTYPE, ASM, KPAIR,
+                                                   g_start + tn + gg)
                 acc += _words_tile(xw_ptr, d1_ptr, xsum_ptr, codes_ptr, high_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
                                    pid_m, rows, mask_n, g_start + t, t, GROUPS_PER_SPLIT, K, QTYPE, TG, ASM, EVEN,
                                    True, w, EVICT=EVICT, KPAIR=KPAIR, SGIVEN=True, s0_given=s0, s1_given=s1,

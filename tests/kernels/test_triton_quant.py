@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lodestar.kernels import dequant as dq
 from lodestar.kernels import triton_quant as tq
 from lodestar.kernels.dequant import dequantize
 
@@ -171,10 +172,10 @@ def test_shipped_tuned_table_is_well_formed():
     names = {t.name for t in tq.GPU_QUANT_TYPES}
     for entries in devices.values():
         for key, text in entries.items():
-            if key.startswith("SCALES:"):     # a Q4_K / Q5_K weight's scale layout (kquant_pairs)
+            if key.startswith("SCALES:"):     # a Q4_K / Q5_K weight's scale layout (kquant_scales)
                 qtype, shape = key.removeprefix("SCALES:").split(":")
                 n, k = (int(v) for v in shape.split(","))
-                assert qtype in ("Q4_K", "Q5_K") and n > 0 and k % 256 == 0 and text in ("pair", "split")
+                assert qtype in ("Q4_K", "Q5_K") and n > 0 and k % 256 == 0 and text in tq.KQUANT_SCALE_FORMS
                 continue
             glu = key.startswith("GLU:")
             qtype, shape = key.removeprefix("GLU:").split(":")
@@ -213,33 +214,48 @@ def test_word_tile_kernel_without_masks(qtype):
 
 
 @pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_K, id="Q4_K"), pytest.param(tq.T.Q5_K, id="Q5_K")])
-def test_kquant_scale_pairs_give_the_same_bits(qtype, monkeypatch, tmp_path):
-    """Q4_K / Q5_K scales in pairs (``LODESTAR_KQUANT_SCALES=pair``) or in four arrays
-    (``split``): the same bytes; dequantization and the word-tile kernel give the same bits
-    from either layout. The group-tile kernel's per-group sum ``(d*sc)*dot - (dmin*m)*xs`` may
-    be contracted into fused multiply-adds differently by the compiler for each (seen on the
-    H200: last-bit differences), so there it is held to fp32 rounding."""
+def test_kquant_scale_forms_give_the_same_bits(qtype, monkeypatch, tmp_path):
+    """Q4_K / Q5_K scales in pairs (``LODESTAR_KQUANT_SCALES=pair``), in four arrays
+    (``split``) or in the file's blocks (``block``, 4 bytes fewer a block): dequantization and
+    the word-tile kernel give the same bits from every layout. The group-tile kernel's
+    per-group sum ``(d*sc)*dot - (dmin*m)*xs`` may be contracted into fused multiply-adds
+    differently by the compiler for each (seen on the H200: last-bit differences), so there
+    it is held to fp32 rounding. Every 6-bit scale and min value occurs in the data, and many
+    in each of a block's 8 places."""
     dev = kernel_device()
     n, k = 48, 1024
-    data = random_gguf(qtype, n, k, seed=21).to(dev)
-    monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "split")
-    split = tq.pack(qtype, data, n, k)
-    monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "pair")
-    pair = tq.pack(qtype, data, n, k)
-    assert pair.paired and not split.paired and pair.dmin is None and pair.m is None
-    assert pair.nbytes == split.nbytes
-    assert torch.equal(tq.dequantize_packed_ref(pair), tq.dequantize_packed_ref(split))
-    assert torch.equal(tq.dequantize_packed(pair, torch.float32), tq.dequantize_packed(split, torch.float32))
+    data = random_gguf(qtype, n, k, seed=21)
+    blocks = data.view(n * k // 256, -1)
+    blocks[:, 4:16] = torch.randint(0, 256, (blocks.shape[0], 12), generator=torch.Generator().manual_seed(5),
+                                    dtype=torch.uint8)                      # every bit of the 12 scale bytes
+    data = data.to(dev)
+    forms = {}
+    for form in tq.KQUANT_SCALE_FORMS:
+        monkeypatch.setenv("LODESTAR_KQUANT_SCALES", form)
+        forms[form] = tq.pack(qtype, data, n, k)
+    split, pair, block = forms["split"], forms["pair"], forms["block"]
+    assert [w.scale_form for w in (split, pair, block)] == [0, 1, 2] and pair.paired and not split.paired
+    assert pair.dmin is None and pair.m is None and block.dmin is None and block.sc is None and block.m is None
+    assert pair.nbytes == split.nbytes and block.nbytes == split.nbytes - 4 * n * k // 256
+    assert block.nbytes == data.numel()                          # the file's bytes, no more
+    sc, m = dq._k_scale_min(blocks[:, 4:16])
+    assert all(set(v.unique().tolist()) == set(range(64)) for v in (sc, m))
+    assert all(len(v[:, j].unique()) > 40 for v in (sc, m) for j in range(8))
+    for w in (pair, block):
+        assert torch.equal(tq.dequantize_packed_ref(w), tq.dequantize_packed_ref(split))
+        assert torch.equal(tq.dequantize_packed(w, torch.float32), tq.dequantize_packed(split, torch.float32))
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(dev)
     for cfg in (tq.GemvConfig(16, 32, 2, 4, words=True), tq.GemvConfig(8, 32, 1, 1, words=True, unroll=True),
-                tq.GemvConfig(16, 32, 1, 4, words=True), tq.GemvConfig(4, 32, 1, 1, words=True), tq.GemvConfig(16, 8, 2, 4),
+                tq.GemvConfig(16, 32, 1, 4, words=True), tq.GemvConfig(4, 32, 1, 1, words=True),
+                tq.GemvConfig(8, 32, 1, 1, words=True, prefetch=True), tq.GemvConfig(16, 8, 2, 4),
                 tq.GemvConfig(16, 8, 1, 4, prefetch=True)):
         a = tq.quant_matmul(x, split, torch.float32, config=cfg)
-        b = tq.quant_matmul(x, pair, torch.float32, config=cfg)
-        if cfg.words:
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), cfg
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(a.abs().max()))
+        for w in (pair, block):
+            b = tq.quant_matmul(x, w, torch.float32, config=cfg)
+            if cfg.words:
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (cfg, w.scale_form)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(a.abs().max()))
     monkeypatch.setenv("LODESTAR_KQUANT_SCALES", f"4096x4096,{n}x{k}")
     assert tq.pack(qtype, data, n, k).paired and not tq.pack(qtype, data[: n // 2], n // 2, k).paired
     monkeypatch.delenv("LODESTAR_KQUANT_SCALES")           # a table's SCALES entry
@@ -252,7 +268,7 @@ def test_kquant_scale_pairs_give_the_same_bits(qtype, monkeypatch, tmp_path):
     monkeypatch.delenv("LODESTAR_GEMV_TABLE")
     assert not tq.pack(qtype, data.cpu(), n, k).paired      # no table off the GPU: split
     monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "pairs")
-    with pytest.raises(ValueError, match="pair, split or shapes"):
+    with pytest.raises(ValueError, match="pair, split, block or shapes"):
         tq.pack(qtype, data, n, k)
 
 
@@ -447,3 +463,4 @@ def test_weight_evict_names_types(monkeypatch):
         monkeypatch.setenv("LODESTAR_WEIGHT_EVICT", bad)
         with pytest.raises(ValueError, match="LODESTAR_WEIGHT_EVICT"):
             tq.weight_evict(tq.T.Q4_0)
+
