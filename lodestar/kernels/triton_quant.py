@@ -400,9 +400,9 @@ def kquant_scales(qtype: GGMLQuantizationType, n: int, k: int, device: torch.dev
     a block's (d, dmin) side by side in ``d`` (fp16 [N, K/128]) and each group's (sc, m) in
     ``sc`` (uint8 [N, K/16]), so that a kernel reads each pair in one load from one address;
     ``block``: each block's 16 header bytes as the file holds them, (d, dmin) and the 6-bit
-    (sc, m) of its 8 groups, in ``d`` (int32 [N, K/64]), one 16-byte load a block and 2.7%
-    fewer bytes than the other two (144 a block of 256 weights against 148), the 6-bit
-    fields unpacked in the kernel. Same bits from every form. Env ``LODESTAR_KQUANT_SCALES``:
+    (sc, m) of its 8 groups, in ``d`` (int32 [N, K/64]), one 16-byte load a block and 4
+    bytes fewer a block than the other two (Q4_K 144 against 148, 2.7%; Q5_K 176 against
+    180, 2.2%), the 6-bit fields unpacked in the kernel. Same bits from every form. Env ``LODESTAR_KQUANT_SCALES``:
     a form for every weight, or a comma list of shapes ``NxK`` to pair (the others split);
     unset: the ``SCALES:TYPE:n,k`` entry (a form) of the table ``LODESTAR_GEMV_TABLE``
     names, else of the shipped table for the GPU model ``gpu`` or ``device``'s
@@ -419,7 +419,11 @@ def kquant_scales(qtype: GGMLQuantizationType, n: int, k: int, device: torch.dev
     before it stays a kernel of its own, ``quant_norm`` being off: on, run 112, 578.2 ->
     488.6), 567.95 -> 579.2 (that tiling split 553.4); run 108:
     578.7 against 568.3 for the q|k|v before. Down paired lost in every tiling tried (runs
-    102-104, 109). The H200 table pairs o, gate|up and q|k|v."""
+    102-104, 109). The H200 table pairs o, gate|up and q|k|v. Blocks (runs 163-168, same
+    tokens): 8B Q5_K_M with gate|up, o and down in blocks 457.2 / 457.7 -> 462.7 / 462.7
+    tok/s against pairs (its q|k|v in blocks too: 461.0), so the table puts those three in
+    blocks; 8B Q4_K lost in every placement (gate|up 580.2, down 545.6, o 586.6 against
+    586.1-589.7), so its entries stay."""
     if qtype not in (T.Q4_K, T.Q5_K):
         return "split"
     value = os.environ.get("LODESTAR_KQUANT_SCALES", "").strip()
