@@ -91,6 +91,9 @@ PARTITION = 256     # keys per decode partition
 SHORT_PARTITION = 64    # keys per partition when the visible context is at most SHORT_CONTEXT
 SHORT_CONTEXT = 1024
 BLOCK_N = 64        # keys per inner step
+# Short partitions below one step: the partition is one BLOCK_N-key step with its keys past
+# the partition masked (no loads for them), so the kernel keeps its one step size.
+SUB_BLOCK_PARTITIONS = (16, 32)
 REDUCE_CHUNK = 16   # partials combined per step of the reduce kernel
 PREFILL_BLOCK_N = 64    # keys per inner step of the prefill kernel
 LOG2E = 1.4426950408889634
@@ -108,8 +111,8 @@ def _num_sms(device: torch.device) -> int:
 
 def short_partition() -> int:
     """Keys per partition of a short context (at most ``SHORT_CONTEXT`` keys): env
-    ``LODESTAR_ATTN_SHORT_PARTITION`` (a multiple of ``BLOCK_N`` up to ``SHORT_CONTEXT``),
-    unset: ``SHORT_PARTITION``. Read at each call. Longer partitions mean fewer programs with
+    ``LODESTAR_ATTN_SHORT_PARTITION`` (a multiple of ``BLOCK_N`` up to ``SHORT_CONTEXT``, or
+    one of ``SUB_BLOCK_PARTITIONS``: one masked step a partition), unset: ``SHORT_PARTITION``. Read at each call. Longer partitions mean fewer programs with
     work and fewer partials to combine; the combine's grouping follows the partitions, so
     another value gives other fp32 rounding (not the same bits).
 
@@ -127,9 +130,11 @@ def short_partition() -> int:
     env = os.environ.get("LODESTAR_ATTN_SHORT_PARTITION", "").strip()
     if not env:
         return SHORT_PARTITION
-    if not env.isdigit() or int(env) % BLOCK_N or not BLOCK_N <= int(env) <= SHORT_CONTEXT:
-        raise ValueError(f"LODESTAR_ATTN_SHORT_PARTITION={env!r}; use a multiple of {BLOCK_N} up to {SHORT_CONTEXT}")
-    return int(env)
+    n = int(env) if env.isdigit() else 0
+    if not (n in SUB_BLOCK_PARTITIONS or (n % BLOCK_N == 0 and BLOCK_N <= n <= SHORT_CONTEXT)):
+        raise ValueError(f"LODESTAR_ATTN_SHORT_PARTITION={env!r}; use {' or '.join(map(str, SUB_BLOCK_PARTITIONS))} "
+                         f"or a multiple of {BLOCK_N} up to {SHORT_CONTEXT}")
+    return n
 
 
 def num_partitions(max_context: int) -> int:

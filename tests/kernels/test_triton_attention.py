@@ -47,10 +47,11 @@ def test_decode_matches_reference(hq, hk, d, lens, window, dtype):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("part", ["128", "512", "1024"])
+@pytest.mark.parametrize("part", ["16", "32", "128", "512", "1024"])
 def test_decode_with_other_short_partitions_matches_reference(part, monkeypatch):
-    """LODESTAR_ATTN_SHORT_PARTITION: longer partitions below SHORT_CONTEXT keys (one for
-    every short sequence at 1024), the long-context partitions beyond it unchanged."""
+    """LODESTAR_ATTN_SHORT_PARTITION: other partitions below SHORT_CONTEXT keys (one for
+    every short sequence at 1024; 16 and 32: one masked 64-key step each), the long-context
+    partitions beyond it unchanged."""
     monkeypatch.setenv("LODESTAR_ATTN_SHORT_PARTITION", part)
     assert ta.num_partitions(1024) == max(1024 // int(part), 1024 // ta.PARTITION)
     assert ta.num_partitions(4096) == max(1024 // int(part), 4096 // ta.PARTITION)
@@ -68,7 +69,7 @@ def test_decode_with_other_short_partitions_matches_reference(part, monkeypatch)
 def test_short_partition_setting_is_checked(monkeypatch):
     monkeypatch.delenv("LODESTAR_ATTN_SHORT_PARTITION", raising=False)
     assert ta.short_partition() == ta.SHORT_PARTITION
-    for bad in ("100", "0", "32", "96", "2048", "x"):
+    for bad in ("100", "0", "8", "48", "96", "2048", "x"):
         monkeypatch.setenv("LODESTAR_ATTN_SHORT_PARTITION", bad)
         with pytest.raises(ValueError, match="LODESTAR_ATTN_SHORT_PARTITION"):
             ta.short_partition()
