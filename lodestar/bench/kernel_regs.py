@@ -31,7 +31,7 @@ import sys
 import tempfile
 
 # The 8B (Llama-3.1-8B geometry) word-tile products in their shipped H200 tilings, and the
-# forms they replaced (docs/benchmarks.md, stops 21-23).
+# forms they replaced (docs/benchmarks.md, stops 21-23 and 30).
 CASES = (
     "glu:Q4_0:28672,4096:64,16,1,4,0,0,1,1,128",
     "glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1",
@@ -40,7 +40,9 @@ CASES = (
     "gemv-sum:Q4_0:4096,14336:32,32,7,4,0,0,0,1",
     "gemv:Q4_0:6144,4096:8,128,1,1,0,0,0,1",
     "gemv:Q4_0:4096,4096:32,128,1,8,0,0,0,1",
+    "gemv:Q4_K:28672,4096:16,64,1,2,0,0,0,1,200",
     "gemv:Q4_K:28672,4096:8,32,1,1,0,0,0,1",
+    "gemv:Q4_K:4096,14336:8,64,1,4,0,0,0,1",
     "gemv-sum:Q4_K:4096,14336:16,32,2,4,0,0,0,1",
     "gemv:Q4_K:6144,4096:8,128,1,2,0,0,0,1",
     "gemv:Q4_K:6144,4096:16,32,1,4,0,0,0,1",

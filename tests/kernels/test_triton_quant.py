@@ -195,15 +195,17 @@ def test_shipped_tuned_table_is_well_formed():
 @pytest.mark.parametrize("qtype", [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE])
 def test_word_tile_kernel_without_masks(qtype):
     """The word-tile kernel on a shape with no partial block or tile (its unmasked form), K
-    split in 2, and in programs of 4 rows and one warp (the H200's Q5_K gate|up tiling):
-    within the reference's tolerance, and a row's bits do not depend on the batch."""
+    split in 2, in programs of 4 rows and one warp (the H200's Q5_K gate|up tiling) and in
+    64-group tiles (the H200's Q4_K gate|up, capped at 200 registers, and down): within the
+    reference's tolerance, and a row's bits do not depend on the batch."""
     dev = kernel_device()
     n, k = 64, 2048
     data = random_gguf(qtype, n, k, seed=17)
     pw = tq.pack(qtype, data.to(dev), n, k)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     want = F.linear(x.float(), dequantize(data, qtype, (n, k)))
-    for cfg in (tq.GemvConfig(4, 32, 1, 1, words=True), tq.GemvConfig(16, 32, 2, 4, words=True)):
+    for cfg in (tq.GemvConfig(4, 32, 1, 1, words=True), tq.GemvConfig(16, 64, 1, 2, words=True, maxnreg=200),
+                tq.GemvConfig(8, 64, 1, 4, words=True), tq.GemvConfig(16, 32, 2, 4, words=True)):
         got = tq.quant_matmul(x.to(dev), pw, torch.float32, config=cfg).cpu()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         alone = tq.quant_matmul(x[2:3].to(dev), pw, torch.float32, config=cfg).cpu()
@@ -281,10 +283,11 @@ def test_word_tile_prefetch_gives_the_plain_loops_bits(qtype, early, monkeypatch
     with the first tile loaded before the wait or not."""
     monkeypatch.setenv("LODESTAR_GEMV_EARLY", early)
     dev = kernel_device()
-    x = torch.randn(2, 1280, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(dev)
+    x = torch.randn(2, 4096, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(dev)
     for n, k, cfg in ((64, 1024, tq.GemvConfig(16, 8, 2, 4, words=True)),
                       (40, 1280, tq.GemvConfig(16, 16, 1, 2, words=True)),
-                      (32, 1024, tq.GemvConfig(8, 4, 1, 1, words=True))):
+                      (32, 1024, tq.GemvConfig(8, 4, 1, 1, words=True)),
+                      (16, 4096, tq.GemvConfig(8, 64, 1, 4, words=True))):     # the H200's Q6_K down tiling
         pw = tq.pack(qtype, random_gguf(qtype, n, k, seed=n).to(dev), n, k)
         plain = tq.quant_matmul(x[:, :k], pw, torch.float32, config=cfg)
         ahead = tq.quant_matmul(x[:, :k], pw, torch.float32, config=replace(cfg, prefetch=True))
