@@ -112,9 +112,10 @@ def _num_sms(device: torch.device) -> int:
 def short_partition() -> int:
     """Keys per partition of a short context (at most ``SHORT_CONTEXT`` keys): env
     ``LODESTAR_ATTN_SHORT_PARTITION`` (a multiple of ``BLOCK_N`` up to ``SHORT_CONTEXT``, or
-    one of ``SUB_BLOCK_PARTITIONS``: one masked step a partition), unset: ``SHORT_PARTITION``. Read at each call. Longer partitions mean fewer programs with
-    work and fewer partials to combine; the combine's grouping follows the partitions, so
-    another value gives other fp32 rounding (not the same bits).
+    one of ``SUB_BLOCK_PARTITIONS``: one masked step a partition), unset: ``SHORT_PARTITION``.
+    Read at each call. Longer partitions mean fewer programs with work and fewer partials to
+    combine; the combine's grouping follows the partitions, so another value gives other fp32
+    rounding (not the same bits).
 
     H200, 8B Q4_K one-stream decode at 128-384 keys against 64 in the same run, same greedy
     tokens: 128 / 256 / 512 keys 559.2 / 528.4 / 517.4 against 580.3 tok/s (run 137). Two
@@ -126,7 +127,9 @@ def short_partition() -> int:
     kernel (run 144, same run): 585.4 against 579.4 / 579.6, and 509.4 / 467.3 / 420.6 /
     289.3 at 1k / 4k / 8k / 32k against 513.6 / 468.4 / 424.6 / 290.7. A short-band kernel
     (one graph per context band, one 64-key partition per program without loops, same bits;
-    7dacb36): 556.0 against 579.4 (run 141)."""
+    7dacb36): 556.0 against 579.4 (run 141). 32 / 16-key partitions of one masked 64-key step
+    (``SUB_BLOCK_PARTITIONS``): 588.0 / 576.2 against 587.5 / 587.8 (run 170), 603.7 against
+    604.8 / 604.4 at stop 30's tilings (run 179): the partitions alone do not give run 138's gain."""
     env = os.environ.get("LODESTAR_ATTN_SHORT_PARTITION", "").strip()
     if not env:
         return SHORT_PARTITION
