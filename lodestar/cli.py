@@ -97,12 +97,18 @@ def _engine(loaded, cfg):
         raise
 
 
-def _prompt_ids(engine, text: str, raw: bool, system: str | None) -> list[int]:
+def prompt_ids(engine, text: str, raw: bool, system: str | None) -> list[int]:
+    """The prompt as token ids: through the chat template unless ``raw`` or the model has none."""
+    import jinja2
     tok = engine.tokenizer
     if raw or not tok.has_chat_template:
         return tok.encode(text)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except jinja2.TemplateError as e:
+        raise CLIError(f"{engine.loaded.path}: its chat template failed ({' '.join(str(e).split())}); "
+                       "use --raw to send the prompt as is") from None
 
 
 # -- generate -------------------------------------------------------------------
@@ -112,7 +118,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         text = sys.stdin.read()
     params = _sampling_params(a)
     engine = _load_engine(a)
-    ids = _prompt_ids(engine, text, a.raw, a.system)
+    ids = prompt_ids(engine, text, a.raw, a.system)
     t0 = time.perf_counter()
     t_first = None
     n = 0
@@ -349,7 +355,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
             cfg.max_model_len = a.ctx
             cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
         engine = _engine(_load_model(a, sys.stderr.isatty()), cfg)
-        engine.warmup()
+        try:
+            engine.warmup()
+        except BaseException:
+            engine.close()
+            engine.loaded.close()
+            raise
         return engine
 
     if a.threads:
@@ -387,15 +398,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         loaded.close()
         sock.close()
     if aeng.error is not None:
+        from lodestar.engine.faults import ModelFaultError
         print(f"lodestar: error: engine stopped: {aeng.error}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE if isinstance(aeng.error, ModelFaultError) else 1
     return 0
 
 
 # -- bench ----------------------------------------------------------------------
 def cmd_bench(a: argparse.Namespace) -> int:
     import importlib
-    module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http"}[a.bench]
+    module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http",
+              "gguf-fuzz": "fuzz_gguf", "fuzz": "fuzz_http"}[a.bench]
     if a.tensor_parallel != 1:
         from lodestar.engine.loader import TENSOR_PARALLEL_ENV
         if a.tensor_parallel < 1:
@@ -403,6 +416,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
         # The benchmarks build their engines with load_model(), whose default this sets.
         os.environ[TENSOR_PARALLEL_ENV] = str(a.tensor_parallel)
     return importlib.import_module(f"lodestar.bench.{module}").main(a)
+
+
+def _add_fuzz_args(p: argparse.ArgumentParser, model_help: str, count: int, count_help: str, unit: str) -> None:
+    p.add_argument("--model", "-m", default="default", help=f"{model_help} (default: default)")
+    p.add_argument("--count", type=int, default=count, help=f"{count_help} (default {count})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=30.0, help=f"seconds {unit} may take before it counts as a "
+                   "hang (default 30)")
+    p.add_argument("--json", type=Path, default=None)
+    p.set_defaults(func=cmd_bench, tensor_parallel=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -478,24 +501,43 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--runs", type=int, default=3)
     bh.add_argument("--json", type=Path, default=None)
     bh.set_defaults(func=cmd_bench)
+    bz = bsub.add_parser("fuzz", help="hostile and malformed HTTP requests against a local server: no 5xx, no "
+                         "hang, memory and latency back where they started")
+    _add_fuzz_args(bz, "model to serve", 10_000, "requests to send", "a request")
+    bz.add_argument("--warmup", type=int, default=300, help="requests before the first memory reading (default 300)")
+    bz.add_argument("--workers", type=int, default=8, help="concurrent clients (default 8)")
+    bz.add_argument("--max-seconds", type=float, default=None, help="stop sending after this long")
+    bz.add_argument("--max-growth", type=float, default=0.10, help="memory growth that fails the run (default 0.10)")
+    bf = bsub.add_parser("gguf-fuzz", help="load mutated copies of a GGUF file: every one must load or fail "
+                         "with a one-line error")
+    _add_fuzz_args(bf, "source GGUF file or known model", 1000, "mutations to try", "one mutation")
+    bf.add_argument("--keep", type=Path, default=None, help="copy files that crash or hang into this folder")
+    bf.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the runs are tiny)")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = build_parser()
-    a = parser.parse_args(argv)
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions the command line reports as one line with exit code 2."""
+    from lodestar.distributed import ShardingError
+    from lodestar.engine.faults import ModelFaultError
     from lodestar.engine.llm_engine import ContextLengthError
     from lodestar.engine.loader import DeviceError
     from lodestar.formats.catalog import ModelNotFoundError
     from lodestar.formats.gguf import GGUFError
     from lodestar.models import UnsupportedArchitectureError
     from lodestar.tokenizer import TokenizerError
-    from lodestar.distributed import ShardingError, WorkerDiedError
+    return (CLIError, ContextLengthError, DeviceError, ModelNotFoundError, GGUFError, UnsupportedArchitectureError,
+            TokenizerError, ShardingError, ModelFaultError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    from lodestar.distributed import WorkerDiedError
     try:
         return a.func(a)
-    except (CLIError, ContextLengthError, DeviceError, ModelNotFoundError, GGUFError, UnsupportedArchitectureError,
-            TokenizerError, ShardingError) as e:
+    except user_errors() as e:
         print(f"lodestar: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except WorkerDiedError as e:

@@ -90,6 +90,9 @@ END_OF_TURN_TOKENS = (
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
+_TOKEN_TYPES = frozenset(range(7))   # llama_token_type: undefined, normal, ..., byte
+_SPECIAL_IDS = ("bos", "eos", "unknown", "padding", "eot", "eom")
+
 
 class TokenizerError(ValueError):
     """A GGUF vocabulary this module cannot build, or a chat template that cannot be applied."""
@@ -141,12 +144,87 @@ def generate_merges(vocab: Mapping[str, int], vocab_scores: Mapping[str, float] 
 
 def _merges(meta: Mapping[str, Any], tokens: Sequence[str], vocab_scores: Mapping[str, float] | None = None):
     if "tokenizer.ggml.merges" in meta:
-        return [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+        merges = meta["tokenizer.ggml.merges"]
+        if not isinstance(merges, list):
+            raise TokenizerError(f"tokenizer.ggml.merges must be an array of strings, got {_kind(merges)}")
+        pairs = [tuple(m.split(" ")) if isinstance(m, str) else () for m in merges]
+        bad = next((i for i, p in enumerate(pairs) if len(p) != 2 or not p[0] or not p[1]), None)
+        if bad is not None:
+            raise TokenizerError(f"tokenizer.ggml.merges[{bad}] is {merges[bad]!r}; expected two tokens separated "
+                                 "by one space")
+        return pairs
     if vocab_scores is None:
         if "tokenizer.ggml.scores" not in meta:
             raise TokenizerError("GGUF vocabulary has neither tokenizer.ggml.merges nor tokenizer.ggml.scores")
         vocab_scores = dict(zip(tokens, meta["tokenizer.ggml.scores"]))
     return generate_merges({t: i for i, t in enumerate(tokens)}, vocab_scores)
+
+
+def _bpe(meta: Mapping[str, Any], **options: Any) -> BPE:
+    """``tokenizers``' BPE model; its refusals (a merge of unknown tokens ...) name the keys."""
+    try:
+        return BPE(**options)
+    except Exception as e:  # the Rust side raises a bare Exception
+        keys = "tokenizer.ggml.merges" if "tokenizer.ggml.merges" in meta else "tokenizer.ggml.scores"
+        raise TokenizerError(f"{keys} does not fit tokenizer.ggml.tokens: {_one_line(e)}") from None
+
+
+def _kind(value: Any) -> str:
+    """A short description of a metadata value for messages."""
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value[:1000]})
+        return f"an array of {len(value)} {'/'.join(kinds) or 'values'}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def check_metadata(meta: Mapping[str, Any]) -> None:
+    """Types, lengths and ranges of the tokenizer keys, so that a corrupt file fails with the
+    key named instead of deep inside the tokenizer library."""
+    if "tokenizer.ggml.tokens" not in meta:
+        raise TokenizerError("GGUF file has no tokenizer.ggml.tokens: it carries no vocabulary to build a tokenizer")
+    tokens = meta["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise TokenizerError(f"tokenizer.ggml.tokens must be a non-empty array of strings, got {_kind(tokens)}")
+    n = len(tokens)
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if key in meta and not isinstance(meta[key], str):
+            raise TokenizerError(f"{key} must be a string, got {_kind(meta[key])}")
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n:
+            raise TokenizerError(f"tokenizer.ggml.token_type must hold one type per token ({n}), got {_kind(types)}")
+        if not set(map(type, types)) <= {int} or not set(types) <= _TOKEN_TYPES:
+            bad = next(t for t in types if type(t) is not int or t not in _TOKEN_TYPES)
+            raise TokenizerError(f"tokenizer.ggml.token_type holds {bad!r}; token types are ints "
+                                 f"{min(_TOKEN_TYPES)}..{max(_TOKEN_TYPES)}")
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is not None and (not isinstance(scores, list) or len(scores) != n or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores)):
+        raise TokenizerError(f"tokenizer.ggml.scores must hold one number per token ({n}), got {_kind(scores)}")
+    for name in _SPECIAL_IDS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        if key not in meta:
+            continue
+        tid = meta[key]
+        if isinstance(tid, bool) or not isinstance(tid, int):
+            raise TokenizerError(f"{key} must be a token id, got {_kind(tid)}")
+        if name in ("bos", "eos") and not 0 <= tid < n:
+            raise TokenizerError(f"{key} is {tid}, outside the vocabulary of {n} tokens")
+    for name in ("add_bos_token", "add_eos_token"):
+        key = f"tokenizer.ggml.{name}"
+        if key in meta and not isinstance(meta[key], (bool, int)):
+            raise TokenizerError(f"{key} must be a bool, got {_kind(meta[key])}")
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str) and template.strip():
+        try:
+            compile_chat_template(template)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"tokenizer.chat_template does not compile: {_one_line(e)}") from None
 
 
 def _byte_level_backend(meta: Mapping[str, Any]) -> tuple[_Backend, tuple[str, ...]]:
@@ -157,8 +235,8 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> tuple[_Backend, tuple[str, .
         t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
     }
     backend = _Backend(
-        BPE(vocab=vocab, merges=_merges(meta, tokens), dropout=None, continuing_subword_prefix="",
-            end_of_word_suffix="", fuse_unk=False)
+        _bpe(meta, vocab=vocab, merges=_merges(meta, tokens), dropout=None, continuing_subword_prefix="",
+             end_of_word_suffix="", fuse_unk=False)
     )
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -170,7 +248,8 @@ def _llama_backend(meta: Mapping[str, Any], tokens: Sequence[str] | None = None,
     tokens = meta["tokenizer.ggml.tokens"] if tokens is None else tokens
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = _Backend(
-        BPE(vocab=vocab, merges=_merges(meta, tokens, vocab_scores), fuse_unk=True, byte_fallback=True, dropout=None)
+        _bpe(meta, vocab=vocab, merges=_merges(meta, tokens, vocab_scores), fuse_unk=True, byte_fallback=True,
+             dropout=None)
     )
     # The oracle always puts a prefix space before the first word of a Llama-style vocabulary.
     backend.normalizer = None
@@ -202,8 +281,8 @@ def _gemma_backend(meta: Mapping[str, Any], respell: bool = True) -> tuple[_Back
         vocab_scores = {t: -i for i, t in enumerate(tokens)}
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = _Backend(
-        BPE(vocab=vocab, merges=_merges(meta, tokens, vocab_scores), fuse_unk=True, unk_token="<unk>",
-            dropout=None, byte_fallback=True)
+        _bpe(meta, vocab=vocab, merges=_merges(meta, tokens, vocab_scores), fuse_unk=True, unk_token="<unk>",
+             dropout=None, byte_fallback=True)
     )
     backend.normalizer = normalizers.Replace(" ", SPIECE_UNDERLINE)
     backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
@@ -219,11 +298,16 @@ _BUILDERS = {"gpt2": _byte_level_backend, "llama": _llama_backend,
              "gemma4": lambda meta: _gemma_backend(meta, respell=False)}
 
 
+def _with_added(base: set[str], backend: _Backend) -> set[str]:
+    """``backend.get_vocab(with_added_tokens=True)``'s keys, from the model's vocabulary ``base``
+    (building the whole dict again costs a tenth of a second for a large vocabulary)."""
+    return base | {t.content for t in backend.get_added_tokens_decoder().values()}
+
+
 def _build_backend(meta: Mapping[str, Any]) -> _Backend:
+    check_metadata(meta)
     model = meta.get("tokenizer.ggml.model")
     arch = meta.get("general.architecture", "")
-    if "tokenizer.ggml.tokens" not in meta:
-        raise TokenizerError("GGUF file has no tokenizer.ggml.tokens: it carries no vocabulary to build a tokenizer")
     if model == "llama" and arch in _SENTENCEPIECE_BY_ARCH:
         builder = _SENTENCEPIECE_BY_ARCH[arch]
     elif model in _BUILDERS:
@@ -235,7 +319,8 @@ def _build_backend(meta: Mapping[str, Any]) -> _Backend:
     backend, class_defaults = builder(meta)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or ()
-    known = set(backend.get_vocab(with_added_tokens=False))
+    base = set(backend.get_vocab(with_added_tokens=False))
+    known = base
 
     # The tokenizer class's own default special tokens. The oracle appends such a token as a new
     # id when the vocabulary lacks it; an id past the embedding table is useless, so only tokens
@@ -255,7 +340,7 @@ def _build_backend(meta: Mapping[str, Any]) -> _Backend:
     if control:
         backend.add_special_tokens(control)
     # User-defined tokens (like "<think>" or Gemma's "\n\n") are matched whole but are not special.
-    known = set(backend.get_vocab(with_added_tokens=True))
+    known = _with_added(base, backend)
     user = [AddedToken(t, normalized=False, special=False)
             for t, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED and t in known]
     if user:
@@ -269,7 +354,7 @@ def _build_backend(meta: Mapping[str, Any]) -> _Backend:
         )
 
     # The special tokens the file names (bos, eos, unk, pad) are special even when not typed control.
-    known = set(backend.get_vocab(with_added_tokens=True))
+    known = _with_added(base, backend)
     added = {t.content for t in backend.get_added_tokens_decoder().values()}
     named = []
     for key in ("bos", "eos", "unknown", "padding"):
@@ -564,7 +649,13 @@ class Tokenizer:
         (``tokenizer.ggml.tokens``: list of str, ``tokenizer.ggml.merges``: list of str,
         ``tokenizer.ggml.scores``: list of float, ``tokenizer.ggml.token_type``: list of int, ids,
         flags, ``tokenizer.chat_template``: str, ``general.architecture``: str)."""
-        return cls(_build_backend(metadata), metadata)
+        try:
+            return cls(_build_backend(metadata), metadata)
+        except TokenizerError:
+            raise
+        except Exception as e:  # a vocabulary the checks let through but the library refuses
+            raise TokenizerError(f"cannot build a tokenizer from the tokenizer.ggml.* metadata: "
+                                 f"{type(e).__name__}: {_one_line(e)}") from None
 
     @classmethod
     def from_gguf(cls, path: str | PathLike) -> Tokenizer:
@@ -596,6 +687,10 @@ class Tokenizer:
         """Token ids of ``text``; with ``add_special_tokens`` the BOS (and EOS) the file asks for."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        if len(text) > 4096:
+            # The batch call releases the GIL while it works (the single one holds it), so a
+            # long text tokenized on a worker thread does not stall the server's event loop.
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:

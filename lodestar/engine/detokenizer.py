@@ -20,6 +20,70 @@ import codecs
 from typing import Callable, Iterable
 
 
+class StopMatcher:
+    """Streaming Aho-Corasick automaton over the stop strings.
+
+    ``feed`` reads text one character at a time (amortized O(1) each, whatever the
+    number or length of the stop strings) and keeps ``held``: the length of the longest
+    suffix of everything read that is a proper prefix of a stop string. Building it costs
+    O(total length of the stop strings).
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._goto: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        match_len = [0]                      # length of the stop string spelled by a node, 0 if none
+        for s in stops:
+            node = 0
+            for ch in s:
+                nxt = self._goto[node].get(ch)
+                if nxt is None:
+                    nxt = len(self._goto)
+                    self._goto[node][ch] = nxt
+                    self._goto.append({})
+                    self._depth.append(self._depth[node] + 1)
+                    match_len.append(0)
+                node = nxt
+            match_len[node] = len(s)
+        # Failure links breadth first; _out[node] = the longest stop string ending at node.
+        self._fail = [0] * len(self._goto)
+        self._out = list(match_len)
+        frontier = list(self._goto[0].values())
+        while frontier:
+            later = []
+            for node in frontier:
+                for ch, child in self._goto[node].items():
+                    f = self._fail[node]
+                    while f and ch not in self._goto[f]:
+                        f = self._fail[f]
+                    target = self._goto[f].get(ch, 0) if node else 0
+                    self._fail[child] = target if target != child else 0
+                    if not self._out[child]:
+                        self._out[child] = self._out[self._fail[child]]
+                    later.append(child)
+            frontier = later
+        self._state = 0
+
+    @property
+    def held(self) -> int:
+        return self._depth[self._state]
+
+    def feed(self, text: str) -> tuple[int, int]:
+        """Read ``text``; return (end offset in ``text``, stop length) of the first stop string
+        that ends in it (the longest of those ending at that character), or (-1, 0)."""
+        goto, fail, out = self._goto, self._fail, self._out
+        state = self._state
+        for i, ch in enumerate(text):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            if out[state]:
+                self._state = state
+                return i + 1, out[state]
+        self._state = state
+        return -1, 0
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -34,9 +98,7 @@ class IncrementalDetokenizer:
         if not all(isinstance(s, str) and s for s in self._stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(self._stop)!r}")
         self._include_stop = include_stop_str_in_output
-        # Proper prefixes of the stop strings: the only tails worth holding back.
-        self._stop_prefixes = frozenset(s[:k] for s in self._stop for k in range(1, len(s)))
-        self._longest_prefix = max((len(s) - 1 for s in self._stop), default=0)
+        self._matcher = StopMatcher(self._stop) if self._stop else None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""
         self._chunks: list[str] = []
@@ -71,38 +133,25 @@ class IncrementalDetokenizer:
     def _advance(self, new_text: str, final: bool) -> str:
         if not new_text and not final:
             return ""
-        # Any stop string that ends in new_text starts inside held + new_text, because
-        # the held tail is the longest one that is a prefix of a stop string.
         window = self._held + new_text
         self._held = ""
-        end, stop_str = self._first_stop(window)
-        if stop_str is not None:
-            self.stopped = True
-            self.stop_str = stop_str
-            out = window[:end] if self._include_stop else window[:end - len(stop_str)]
-        elif final:
+        if self._matcher is None:
             out = window
         else:
-            hold = self._hold_length(window)
-            out = window[:len(window) - hold]
-            self._held = window[len(window) - hold:]
+            end, length = self._matcher.feed(new_text)
+            if length:
+                self.stopped = True
+                end += len(window) - len(new_text)          # offset in window
+                self.stop_str = window[end - length:end]
+                out = window[:end] if self._include_stop else window[:end - length]
+            elif final:
+                out = window
+            else:
+                # Hold back the tail that may still become a stop string; at most the
+                # longest stop string's length, so the window stays small.
+                hold = self._matcher.held
+                out = window[:len(window) - hold]
+                self._held = window[len(window) - hold:]
         if out:
             self._chunks.append(out)
         return out
-
-    def _first_stop(self, window: str) -> tuple[int, str | None]:
-        best_end, best = -1, None
-        for s in self._stop:
-            start = window.find(s)
-            if start < 0:
-                continue
-            end = start + len(s)
-            if best is None or end < best_end or (end == best_end and len(s) > len(best)):
-                best_end, best = end, s
-        return best_end, best
-
-    def _hold_length(self, window: str) -> int:
-        for k in range(min(len(window), self._longest_prefix), 0, -1):
-            if window[-k:] in self._stop_prefixes:
-                return k
-        return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import queue
 import struct
@@ -26,6 +27,8 @@ import torch
 
 MAGIC = b"LDSTRKV\n"
 VERSION = 1
+
+log = logging.getLogger("lodestar.disk_kv")
 
 
 @dataclass(frozen=True)
@@ -74,16 +77,17 @@ class DiskKVCache:
     def load(self, chain_hash: bytes, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per-layer (K, V) ``[len(tokens), Hk, D]`` for exactly these tokens, or None.
 
-        A file that is corrupt, truncated, for another model or for other tokens is
-        deleted: the caller recomputes the prefix.
+        A file that cannot be read for any reason (corrupt, truncated, a header of the
+        wrong shape, for another model or other tokens) is deleted and the caller
+        recomputes the prefix: a damaged cache must never stop the engine.
         """
         path = self.dir / self._name(chain_hash)
         try:
             with open(path, "rb") as f:
                 data = f.read()
             kv = self._decode(data, tokens)
-        except (OSError, ValueError, KeyError, struct.error, json.JSONDecodeError, RuntimeError) as e:
-            self._reject(path, str(e))
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with the file, recompute
+            self._reject(path, f"{type(e).__name__}: {e}")
             return None
         now = time.time()
         try:
@@ -99,6 +103,8 @@ class DiskKVCache:
         (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
         start = len(MAGIC) + 4
         header = json.loads(data[start:start + hlen])
+        if not isinstance(header, dict):
+            raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
         payload = memoryview(data)[start + hlen:]
         lay = self.layout
         if header["version"] != VERSION:
@@ -106,7 +112,9 @@ class DiskKVCache:
         if (header["model_sha256"], header["mode"], header["dtype"], header["block_size"]) != (
                 lay.model_sha256, lay.mode, lay.dtype, lay.block_size):
             raise ValueError("checkpoint is for another model, mode or dtype")
-        if [tuple(s) for s in header["shapes"]] != list(lay.shapes):
+        shapes = header["shapes"]
+        if not isinstance(shapes, list) or not all(isinstance(s, list) for s in shapes) \
+                or [tuple(s) for s in shapes] != list(lay.shapes):
             raise ValueError("layer shapes differ")
         if header["tokens"] != list(tokens):
             raise ValueError("token ids differ")
@@ -126,6 +134,7 @@ class DiskKVCache:
         return out
 
     def _reject(self, path: Path, why: str) -> None:
+        log.warning("disk KV checkpoint %s is unusable (%s); deleted, the prefix will be recomputed", path.name, why)
         self.stats["rejected"] += 1
         self._known.discard(path.name)
         try:
@@ -157,7 +166,8 @@ class DiskKVCache:
             name, tokens, kv = item
             try:
                 self._write(name, tokens, kv)
-            except OSError:
+            except Exception as e:  # noqa: BLE001 - a failed write only loses a cache entry
+                log.warning("disk KV checkpoint %s was not written (%s: %s)", name, type(e).__name__, e)
                 self._known.discard(name)
 
     def _write(self, name: str, tokens: list[int], kv) -> None:

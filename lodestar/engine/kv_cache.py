@@ -145,14 +145,16 @@ class BlockPool:
                     self._num_empty += 1
 
     # -- prefix cache -------------------------------------------------------------
-    def register(self, block: int, h: bytes) -> None:
-        """Mark a full block's contents as ``h`` so later requests can reuse it."""
+    def register(self, block: int, h: bytes) -> bool:
+        """Mark a full block's contents as ``h`` so later requests can reuse it; True if it
+        is now the cached copy of ``h``."""
         if not self.enable_prefix_cache or self.block_hashes[block] is not None:
-            return
+            return False
         if h in self.cached:       # same content computed twice: keep the first copy
-            return
+            return False
         self.block_hashes[block] = h
         self.cached[h] = block
+        return True
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """Longest run of cached blocks for a hash chain; takes a reference on each."""

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from lodestar.engine.detokenizer import IncrementalDetokenizer
+from lodestar.engine.faults import ModelFaultError, NonFiniteLogitsError, model_fault
 from lodestar.engine.kv_cache import BlockPool, block_hash, prefix_hashes
 from lodestar.engine.loader import LoadedModel
 from lodestar.engine.model_runner import ModelRunner, PendingDecode
@@ -104,7 +105,9 @@ class LLMEngine:
         # Block hashes are per process and weights: the mode changes the KV values.
         self.fingerprint = f"{loaded.path.name}:{loaded.mode}"
         self.stats: Counter = Counter()
-        self._block_meta: dict[bytes, tuple[bytes | None, list[int]]] = {}  # hash -> (parent, tokens)
+        # hash -> (parent hash, tokens) of each block the prefix cache holds, to checkpoint a
+        # cached chain when it is evicted; an entry leaves with its block.
+        self._block_meta: dict[bytes, tuple[bytes | None, list[int]]] = {}
         ctx = loaded.config.context_length
         self.max_model_len = min(cfg.max_model_len or ctx, ctx, num_blocks * cfg.block_size)
         self.device = torch.device(cfg.device or getattr(loaded, "device", "cpu"))
@@ -213,21 +216,22 @@ class LLMEngine:
             layer.k_cache[slots] = k[have * bs:use * bs].to(self.device, layer.k_cache.dtype)
             layer.v_cache[slots] = v[have * bs:use * bs].to(self.device, layer.v_cache.dtype)
         for j, b in enumerate(blocks, start=have):
-            parent = hashes[j - 1] if j else None
-            self._block_meta[hashes[j]] = (parent, seq.token_slice(j * bs, (j + 1) * bs))
-            self.pool.register(b, hashes[j])
+            if self.pool.register(b, hashes[j]):
+                self._block_meta[hashes[j]] = (hashes[j - 1] if j else None, seq.token_slice(j * bs, (j + 1) * bs))
         seq.block_table += blocks
         seq.block_hashes = hashes[:use]
         seq.num_computed = use * bs
         seq.disk_read_tokens = (use - have) * bs
         self.stats["disk_read_tokens"] += (use - have) * bs
 
-    def _save_to_disk(self, hashes: list[bytes], blocks: list[int]) -> int:
-        """Checkpoint a chain of full blocks (copied now, written in the background)."""
+    def _save_to_disk(self, hashes: list[bytes], blocks: list[int], tokens: list[int] | None = None) -> int:
+        """Checkpoint a chain of full blocks (copied now, written in the background); ``tokens``
+        are the chain's tokens, read from the prefix cache's records when not given."""
         bs = self.pool.block_size
         if self.disk is None or not hashes or len(hashes) * bs < self.disk.min_tokens or self.disk.has(hashes[-1]):
             return 0
-        tokens = [t for h in hashes for t in self._block_meta[h][1]]
+        if tokens is None:
+            tokens = [t for h in hashes for t in self._block_meta[h][1]]
         slots = _slots(blocks, bs).to(self.device)
         kv = [(l.k_cache[slots].cpu(), l.v_cache[slots].cpu()) for l in self.loaded.model.attention_layers]
         self.disk.save(hashes[-1], tokens, kv)
@@ -254,7 +258,7 @@ class LLMEngine:
         if self.disk is None:
             return
         for seq in self.running:
-            self._save_to_disk(seq.block_hashes, seq.block_table[: len(seq.block_hashes)])
+            self._save_to_disk(*self._chain(seq))
         self.disk.flush()
 
     def _reserve(self, seq: Sequence, num_tokens: int, protected: set[int]) -> bool:
@@ -329,10 +333,16 @@ class LLMEngine:
         full = min(seq.num_computed, seq.num_tokens) // bs
         for j in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = block_hash(parent, seq.token_slice(j * bs, (j + 1) * bs), self.fingerprint)
+            tokens = seq.token_slice(j * bs, (j + 1) * bs)
+            h = block_hash(parent, tokens, self.fingerprint)
             seq.block_hashes.append(h)
-            self._block_meta[h] = (parent, seq.token_slice(j * bs, (j + 1) * bs))
-            self.pool.register(seq.block_table[j], h)
+            if self.pool.register(seq.block_table[j], h):
+                self._block_meta[h] = (parent, tokens)
+
+    def _chain(self, seq: Sequence) -> tuple[list[bytes], list[int], list[int]]:
+        """A sequence's hashed full blocks: (hashes, blocks, tokens), for ``_save_to_disk``."""
+        n = len(seq.block_hashes)
+        return seq.block_hashes, seq.block_table[:n], seq.token_slice(0, n * self.pool.block_size)
 
     def step(self) -> list[RequestOutput]:
         if self._inflight is not None:
@@ -353,12 +363,20 @@ class LLMEngine:
             if w and not s.output_ids and self.disk is not None and \
                     s.num_computed - s.cached_tokens >= self.disk.min_tokens:
                 # a cold prefill: checkpoint its prompt
-                s.cache_write_tokens = self._save_to_disk(s.block_hashes, s.block_table[: len(s.block_hashes)])
+                s.cache_write_tokens = self._save_to_disk(*self._chain(s))
         sampled = [s for s, w in zip(rows, wants) if w]
         if not sampled:
             return []
-        results = self.sampler.sample(logits, [s.sampler_state for s in sampled])
+        try:
+            results = self.sampler.sample(logits, [s.sampler_state for s in sampled])
+        except NonFiniteLogitsError as e:
+            raise self._model_fault(str(e)) from None
         return [self._accept(seq, res) for seq, res in zip(sampled, results)]
+
+    def _model_fault(self, detail: str) -> ModelFaultError:
+        """The error for logits the model computed as NaN or infinite, naming the file and the
+        first tensor with a non-finite value (one scan of the weights, now that it failed)."""
+        return model_fault(self.loaded.path, detail, getattr(self.loaded.file, "tensors", None))
 
     # -- overlapped decode ------------------------------------------------------------
     def _overlappable(self, rows: list[Sequence], counts: list[int]) -> bool:
@@ -377,9 +395,8 @@ class LLMEngine:
         for seq, tok, good in zip(cur.seqs, tokens, ok):
             if seq.is_finished:          # aborted, or stopped, while this step was queued
                 continue
-            if not good:
-                raise ValueError(f"no token can be sampled for request {seq.seq_id}: its largest logit is -inf "
-                                 "or NaN")
+            if not good:   # greedy with nothing applied: the logits are as the model computed them
+                raise self._model_fault(f"the model computed NaN or -inf logits (request {seq.seq_id})")
             self._register_full_blocks(seq)
             outs.append(self._accept(seq, SampleResult(tok)))
         return outs
@@ -430,7 +447,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if reason != "abort":    # the whole conversation so far, for the next turn after a restart
-            self._save_to_disk(seq.block_hashes, seq.block_table[: len(seq.block_hashes)])
+            self._save_to_disk(*self._chain(seq))
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:

@@ -14,9 +14,9 @@ from tqdm import tqdm
 
 from lodestar.formats.catalog import resolve_model_path
 from lodestar.formats.config import ModelConfig
-from lodestar.formats.gguf import GGUFFile
-from lodestar.models import WEIGHT_MODES, build_model
-from lodestar.tokenizer import Tokenizer
+from lodestar.formats.gguf import GGUFError, GGUFFile
+from lodestar.models import WEIGHT_MODES, CheckpointError, UnsupportedArchitectureError, build_model, validate
+from lodestar.tokenizer import Tokenizer, TokenizerError
 
 DEVICES = ("cpu", "cuda", "auto")
 TENSOR_PARALLEL_ENV = "LODESTAR_TENSOR_PARALLEL"   # default of load_model's tensor_parallel
@@ -71,6 +71,24 @@ def open_checkpoint(spec: str | Path | None, device: str | torch.device = "cpu")
     return path, GGUFFile(path)
 
 
+def validate_gguf(path: Path, source: GGUFFile) -> None:
+    """Check a GGUF file against its architecture (metadata and shapes; no tensor data is
+    read); a mismatch is a one-line ``GGUFError`` naming the file and the tensor or key."""
+    try:
+        validate(source.config, source.tensors)
+    except (CheckpointError, UnsupportedArchitectureError) as e:
+        raise GGUFError(f"{path}: {e}") from None
+
+
+def gguf_tokenizer(path: Path, source: GGUFFile) -> Tokenizer:
+    """The tokenizer a GGUF file describes; bad tokenizer metadata is a ``GGUFError`` naming
+    the file and the key."""
+    try:
+        return Tokenizer.from_metadata(source.metadata)
+    except TokenizerError as e:
+        raise GGUFError(f"{path}: {e}") from None
+
+
 def resolve_tensor_parallel(tensor_parallel: int | None) -> int:
     """``None`` -> $LODESTAR_TENSOR_PARALLEL, else 1."""
     if tensor_parallel is None:
@@ -104,7 +122,11 @@ def load_model(spec: str | Path | None = None, mode: str = "packed", progress: b
     is_synthetic = parse_spec(spec) is not None
     t0 = time.perf_counter()
     path, source = open_checkpoint(spec, device)
-    tokenizer = Tokenizer.from_metadata(source.metadata) if isinstance(source, GGUFFile) else source.tokenizer()
+    if isinstance(source, GGUFFile):
+        validate_gguf(path, source)     # before anything is built or allocated
+        tokenizer = gguf_tokenizer(path, source)
+    else:
+        tokenizer = source.tokenizer()
     group = None
     if world > 1:
         from lodestar.distributed import DEFAULT_TIMEOUT_S, ShardedWeightLoader, ShardSpec, TensorParallelGroup

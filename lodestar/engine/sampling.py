@@ -27,7 +27,13 @@ from typing import Iterable, Sequence
 
 import torch
 
+from lodestar.engine.faults import NonFiniteLogitsError
+
 MAX_LOGPROBS = 20
+# Stop strings are matched in time linear in the output, but each one is held back
+# from a stream until it cannot match, so both their number and length are bounded.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
 # Dividing by a smaller temperature can overflow float32; such rows are argmax (as vLLM).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -106,6 +112,13 @@ class SamplingParams:
         self.stop = list(self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} "
+                             "are allowed")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(f"SamplingParams.stop has a string of {len(longest)} characters; at most "
+                             f"{MAX_STOP_CHARS} are allowed")
         self.stop_token_ids = list(self.stop_token_ids)
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of token ids (ints >= 0)")
@@ -163,18 +176,25 @@ class Sampler:
         return out
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> list[SampleResult]:
-        """One token per row; row i follows states[i]. Advances the generators of sampled rows."""
+        """One token per row; row i follows states[i]. Advances the generators of sampled rows.
+
+        Raises ``NonFiniteLogitsError`` when a row of ``logits`` itself (before bias and
+        penalties) has a NaN or infinite maximum: a fault of the model, not of the request.
+        """
         if all(plain_greedy(s.params) for s in states):
-            fast = _plain_argmax(logits, states)
-            if fast is not None:
-                return fast
+            return _plain_argmax(logits, states)
         processed = self.process(logits, states)
-        dead = ~(processed > -math.inf).any(dim=-1)
-        if bool(dead.any()):
-            rows = dead.nonzero().flatten().tolist()
-            raise ValueError(
-                f"no token can be sampled in batch rows {rows}: every logit is -inf or NaN; "
-                "check logit_bias for bans that cover the whole vocabulary")
+        # One reduction, which every row needs anyway: a row whose best logit is not a finite
+        # number is examined further (the model's fault, or bans over the whole vocabulary).
+        best = processed.max(dim=-1).values
+        if not bool(torch.isfinite(best).all()):
+            _check_finite(logits)
+            dead = ~(best > -math.inf)
+            if bool(dead.any()):
+                rows = dead.nonzero().flatten().tolist()
+                raise ValueError(
+                    f"no token can be sampled in batch rows {rows}: logit_bias bans every token the model "
+                    "left possible; check logit_bias for bans that cover the whole vocabulary")
 
         batch = len(states)
         token_ids = torch.empty(batch, dtype=torch.long, device=logits.device)
@@ -214,20 +234,30 @@ def plain_greedy(p: SamplingParams) -> bool:
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
-def _plain_argmax(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[SampleResult] | None:
+def _plain_argmax(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[SampleResult]:
     """Greedy rows with no processing: one reduction and one copy to the host (on a GPU the
     general path costs about ten small kernels and two waits for the device per step).
 
-    ``max`` gives the first maximal index, as ``argmax`` does. A row whose maximum is -inf
-    has no token to sample; a NaN maximum (ambiguous here) returns None and the caller
-    takes the general path, which tells the two cases apart.
+    ``max`` gives the first maximal index, as ``argmax`` does. With nothing applied to the
+    logits, a row whose maximum is not a finite number (NaN anywhere in the row, +inf, or
+    every logit -inf) is the model's fault.
     """
     _check_batch(logits, states)
     values, indices = logits.max(dim=-1)
     both = torch.stack((values.to(torch.float64), indices.to(torch.float64))).tolist()
-    if any(math.isnan(v) or v == -math.inf for v in both[0]):
-        return None
+    bad = [i for i, v in enumerate(both[0]) if not math.isfinite(v)]
+    if bad:
+        raise NonFiniteLogitsError(bad, [both[0][i] for i in bad])
     return [SampleResult(int(i)) for i in both[1]]
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    """NonFiniteLogitsError for rows whose maximum is NaN (NaN anywhere), +inf or -inf (no
+    finite logit): the model computed them so; no bias or penalty is applied yet."""
+    top = logits.max(dim=-1).values.to(torch.float64).tolist()
+    bad = [i for i, v in enumerate(top) if not math.isfinite(v)]
+    if bad:
+        raise NonFiniteLogitsError(bad, [top[i] for i in bad])
 
 
 def _check_batch(logits: torch.Tensor, states: Sequence[SamplerState]) -> None:

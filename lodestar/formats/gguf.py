@@ -12,6 +12,7 @@ type, missing metadata — is a ``GGUFError`` whose message names the file.
 from __future__ import annotations
 
 import difflib
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,22 @@ from lodestar.kernels import dequant
 
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# Largest accepted value of each hyper-parameter: far above any released model, low enough
+# that a corrupt value fails here, not as a huge allocation or a billion-step loop.
+METADATA_LIMITS: dict[str, int] = {
+    "block_count": 4096,
+    "embedding_length": 1 << 17,
+    "feed_forward_length": 1 << 20,
+    "attention.head_count": 4096,
+    "attention.head_count_kv": 4096,
+    "attention.key_length": 4096,
+    "attention.value_length": 4096,
+    "rope.dimension_count": 4096,
+    "context_length": 1 << 24,
+    "attention.sliding_window": 1 << 24,
+    "vocab_size": 1 << 22,
+}
 
 
 class GGUFError(Exception):
@@ -93,7 +110,8 @@ class _Reader(GGUFReader):
             return super()._get_field_parts(orig_offs, raw_type)
         value, size = self._read_array(orig_offs)
         self._arrays[orig_offs] = value
-        return size, [self._get(orig_offs, np.uint8, size)], [0], [GGUFValueType.ARRAY]
+        item_type = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))  # checked by _read_array
+        return size, [self._get(orig_offs, np.uint8, size)], [0], [GGUFValueType.ARRAY, item_type]
 
     def _read_array(self, offs: int) -> tuple[Any, int]:
         """Array value at ``offs`` -> (numpy array | list, bytes consumed)."""
@@ -147,9 +165,14 @@ class _Reader(GGUFReader):
     def _build_tensors(self, start_offs, fields):
         # Validate what the stock reader would turn into an obscure numpy error.
         size = len(self.data)
+        spans: list[tuple[int, int, str]] = []
+        seen: set[str] = set()
         for field in fields:
             _name_len, name_data, n_dims, dims, raw_dtype, offset_tensor = field.parts
             name = str(bytes(name_data), "utf-8")
+            if name in seen:
+                raise _FileError(f"tensor name {name} appears twice in the header")
+            seen.add(name)
             if int(n_dims[0]) < 1 or int(n_dims[0]) > MAX_DIMS:
                 raise _FileError(f"tensor {name} has {int(n_dims[0])} dimensions; GGUF allows 1..{MAX_DIMS}")
             dims_l = [int(d) for d in dims]
@@ -186,7 +209,35 @@ class _Reader(GGUFReader):
                     f"truncated: tensor {name} needs bytes {offset}..{offset + n_bytes}, "
                     f"file has {size} bytes"
                 )
+            spans.append((offset, offset + n_bytes, name))
+        _check_spans(spans, size, int(start_offs), int(self.alignment), len(fields))
         super()._build_tensors(start_offs, fields)
+
+
+def _check_spans(spans: list[tuple[int, int, str]], size: int, start: int, alignment: int, n_tensors: int) -> None:
+    """Tensor data regions must not overlap, and must reach the end of the file.
+
+    Writers (gguf-py, llama.cpp) place tensors one after another, each padded to the
+    alignment, so overlapping regions mean corrupt offsets, and a gap of a whole alignment
+    unit or more at the end means the header lists fewer tensors than were written (the
+    data section then starts too early and every tensor reads shifted bytes).
+    """
+    if not spans:
+        return
+    spans = sorted(spans)
+    for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise _FileError(
+                f"tensor {b} (bytes {s1}..{e1}) overlaps tensor {a} (bytes {s0}..{e0}): "
+                "the tensor offsets, shapes or types in the header are corrupt"
+            )
+    end = max(e for _, e, _ in spans)
+    if size - end >= max(alignment, 1):
+        raise _FileError(
+            f"{size - end} bytes follow the last tensor's data (bytes {start}..{end} hold the "
+            f"{n_tensors} tensors the header lists): the header's tensor count is wrong or the file "
+            "has trailing garbage"
+        )
 
 
 def _check_header(path: Path) -> None:
@@ -259,6 +310,14 @@ class GGUFFile:
             for key, field in reader.fields.items()
             if not key.startswith("GGUF.")
         }
+        # The stored type of each metadata value (arrays: ARRAY, then the element type).
+        self.metadata_types: dict[str, tuple[GGUFValueType, ...]] = {
+            key: tuple(GGUFValueType(int(t)) for t in field.types)
+            for key, field in reader.fields.items()
+            if not key.startswith("GGUF.")
+        }
+        self.alignment: int = int(reader.alignment)
+        self.data_offset: int = int(reader.data_offset)   # where the tensor data section starts
         self.tensors: dict[str, GGUFTensor] = {}
         base = torch.from_numpy(reader.data)  # one zero-copy view of the whole mapping
         for t in reader.tensors:
@@ -296,6 +355,14 @@ class GGUFFile:
 
 # --------------------------------------------------------------------- config
 
+def _short(value: Any) -> str:
+    """repr of a metadata value for a one-line message (long arrays cut)."""
+    if isinstance(value, list) and len(value) > 8:
+        return f"[{', '.join(map(repr, value[:8]))}, ... ({len(value)} values)]"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _config(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> ModelConfig:
     def fail(msg: str) -> GGUFError:
         return GGUFError(f"{path}: {msg}")
@@ -314,14 +381,21 @@ def _config(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) ->
         value = meta[key]
         if isinstance(value, list) and value and kind is int:
             # Per-layer values (e.g. head counts): the common fields take the largest.
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise fail(f"metadata key {key} has per-layer values {_short(value)}, expected ints")
             extra[f"{suffix}_per_layer"] = value
             value = max(value)
         numeric = (int,) if kind is int else (int, float)
         if isinstance(value, bool) or not isinstance(value, numeric):
-            raise fail(f"metadata key {key} has value {value!r}, expected {kind.__name__}")
+            raise fail(f"metadata key {key} has value {_short(value)}, expected {kind.__name__}")
         if not (value > 0 or (value == 0 and not positive)):  # also rejects NaN
             sign = "positive" if positive else "non-negative"
             raise fail(f"metadata key {key} has value {value!r}, expected a {sign} number")
+        if not math.isfinite(value):
+            raise fail(f"metadata key {key} has value {value!r}, expected a finite number")
+        limit = METADATA_LIMITS.get(suffix)
+        if limit is not None and value > limit:
+            raise fail(f"metadata key {key} has value {value!r}, expected at most {limit}")
         return kind(value)
 
     n_layers = number("block_count", int, required=True)
@@ -342,13 +416,19 @@ def _config(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) ->
         rms_eps = number("attention.layer_norm_epsilon", float)
     if rms_eps is None:
         raise fail(f"missing metadata key {arch}.attention.layer_norm_rms_epsilon, required for {arch} models")
+    if rms_eps >= 1:
+        raise fail(f"metadata key {arch}.attention.layer_norm_rms_epsilon has value {rms_eps!r}, "
+                   "expected a small positive number (below 1)")
     rope_theta = number("rope.freq_base", float, 10000.0)
     rope_dim = number("rope.dimension_count", int, head_dim)
     sliding_window = number("attention.sliding_window", int, positive=False) or None  # 0: no window
 
     vocab_size = number("vocab_size", int)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if vocab_size is not None and isinstance(tokens, list) and len(tokens) != vocab_size:
+        raise fail(f"tokenizer.ggml.tokens has {len(tokens)} entries but {arch}.vocab_size is {vocab_size}: "
+                   "the vocabulary is truncated or the key is wrong")
     if vocab_size is None:
-        tokens = meta.get("tokenizer.ggml.tokens")
         if isinstance(tokens, list) and tokens:
             vocab_size = len(tokens)
         elif "token_embd.weight" in tensors:

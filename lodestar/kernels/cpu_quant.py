@@ -39,6 +39,7 @@ module is absent the numpy reference ``gguf.quants.dequantize`` stands in.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +57,8 @@ SUPPORTED_TYPES = (
     T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
 )
 
-# torch's CPU int4 layout interleaves output channels in blocks of 64 (see int4_dequant_t).
+# Packed int4 weights are padded and tiled by 64 output channels: a multiple of the block
+# of torch's CPU int4 layout on every instruction set (see int4_layout_block).
 INT4_BLOCK_N = 64
 GROUP = 32
 # Row tiles for dequantize-then-matmul keep the temporary weight near 4 MiB of fp32.
@@ -222,29 +224,50 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     return y.float()
 
 
+@functools.cache
+def int4_layout_block() -> int:
+    """Output channels in one block of torch's CPU int4 layout on this machine.
+
+    torch packs ``B`` channels per block as ``[k, B/2]`` bytes, byte j holding channel j
+    in its low nibble and channel j + B/2 in its high nibble, with ``B`` set by the
+    kernels it dispatches to: 64 with AVX-512, 32 with AVX2 or none. Read it off one
+    packed probe rather than guess.
+    """
+    codes = torch.zeros(INT4_BLOCK_N, 2 * GROUP, dtype=torch.int32)
+    codes[16, 0] = 1                                   # channel 16, first column
+    flat = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).reshape(-1)
+    if int(flat[16]) == 0x01:
+        return 64                                      # low nibble of byte 16
+    if int(flat[0]) == 0x10:
+        return 32                                      # high nibble of byte 0
+    raise RuntimeError("torch's CPU int4 weight layout is neither of the known ones (64- or 32-channel "
+                       f"blocks); this torch ({torch.__version__}) is not supported on the packed CPU path")
+
+
 def int4_dequant_t(w: Int4Weight, r0: int = 0, r1: int | None = None,
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Rows ``r0:r1`` of W (``r0`` a multiple of 64) as ``[k, r1-r0]`` in ``dtype``.
 
-    The CPU int4 layout stores 64 output channels per block as ``[k, 32]`` bytes: byte j
-    holds channel j in its low nibble and channel j+32 in its high nibble. Values are
-    ``q * scale + (zero - 8 * scale)`` in fp32 (the kernel's ``(q - 8) * scale + zero``
-    up to fp32 rounding), cast once to ``dtype``, read straight from the nibbles.
+    Reads torch's CPU int4 layout (``int4_layout_block``) straight from the nibbles.
+    Values are ``q * scale + (zero - 8 * scale)`` in fp32 (the kernel's
+    ``(q - 8) * scale + zero`` up to fp32 rounding), cast once to ``dtype``.
     """
     r1 = w.n if r1 is None else r1
-    b0, b1 = r0 // INT4_BLOCK_N, -(-r1 // INT4_BLOCK_N)
+    blk = int4_layout_block()
+    half_blk = blk // 2
+    b0, b1 = r0 // blk, -(-r1 // blk)
     nb, k, g = b1 - b0, w.k, w.k // GROUP
-    blocks = w.packed[b0 * INT4_BLOCK_N:b1 * INT4_BLOCK_N].view(nb, k, 32)
-    sz = w.scales_zeros[:, b0 * INT4_BLOCK_N:b1 * INT4_BLOCK_N].float()   # [g, nb*64, 2]
+    blocks = w.packed[b0 * blk:b1 * blk].view(nb, k, half_blk)
+    sz = w.scales_zeros[:, b0 * blk:b1 * blk].float()                # [g, nb*blk, 2]
     scale = sz[..., 0]
-    offset = (sz[..., 1] - 8 * scale).view(g, 1, nb, 2, 32)
-    scale = scale.view(g, 1, nb, 2, 32)
-    out = torch.empty(g, GROUP, nb, 2, 32, dtype=dtype)               # = [k, nb*64]
+    offset = (sz[..., 1] - 8 * scale).view(g, 1, nb, 2, half_blk)
+    scale = scale.view(g, 1, nb, 2, half_blk)
+    out = torch.empty(g, GROUP, nb, 2, half_blk, dtype=dtype)        # = [k, nb*blk]
     for half, codes in enumerate((blocks & 0x0F, blocks >> 4)):
-        codes = codes.permute(1, 0, 2).view(g, GROUP, nb, 32)
+        codes = codes.permute(1, 0, 2).view(g, GROUP, nb, half_blk)
         torch.addcmul(offset[:, :, :, half], codes, scale[:, :, :, half], out=out[:, :, :, half])
-    out = out.view(k, nb * INT4_BLOCK_N)
-    return out if nb * INT4_BLOCK_N == r1 - r0 else out[:, : r1 - r0]
+    out = out.view(k, nb * blk)
+    return out if nb * blk == r1 - r0 else out[:, : r1 - r0]
 
 
 def int4_dense_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """Model families, chosen from the checkpoint's ``general.architecture``."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
 from lodestar.models.gemma3 import Gemma3Model
 from lodestar.models.llama import LlamaModel
+from lodestar.models.validate import CheckpointError, check_blocks, check_tensors
 from lodestar.models.weights import WEIGHT_MODES, WeightLoader
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -23,6 +26,23 @@ class UnsupportedArchitectureError(ValueError):
     pass
 
 
+def _family(arch: str) -> type[nn.Module]:
+    cls = ARCHITECTURES.get(arch)
+    if cls is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    return cls
+
+
+def validate(config: ModelConfig, tensors: Mapping[str, Any]) -> None:
+    """Check hyper-parameters and tensor names/shapes against the family before anything is
+    built; ``CheckpointError`` names the first key or tensor that does not fit."""
+    cls = _family(config.arch)
+    cls.check_config(config)
+    check_blocks(config.arch, config.n_layers, list(tensors))
+    check_tensors(cls.expected_tensors(config), tensors)
+
+
 def build_model(config: ModelConfig, source, mode: str = "packed", on_tensor=None,
                 device: str | torch.device = "cpu", loader: WeightLoader | None = None) -> nn.Module:
     """Instantiate the family's module with weights from ``source`` in ``mode`` on ``device``.
@@ -30,10 +50,7 @@ def build_model(config: ModelConfig, source, mode: str = "packed", on_tensor=Non
     ``loader`` replaces the default ``WeightLoader(source, mode, on_tensor, device)``, e.g. a
     ``ShardedWeightLoader`` that builds one tensor-parallel rank's slice.
     """
-    cls = ARCHITECTURES.get(config.arch)
-    if cls is None:
-        raise UnsupportedArchitectureError(
-            f"architecture {config.arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    cls = _family(config.arch)
     device = torch.device(device)
     model = cls(config, loader or WeightLoader(source, mode, on_tensor, device))
     model = model.eval().requires_grad_(False)
@@ -60,4 +77,5 @@ def _finish_on_device(model: nn.Module, mode: str, device: torch.device) -> None
             m.release_bytes()   # the head, tied or not, is built by now
 
 
-__all__ = ["ARCHITECTURES", "WEIGHT_MODES", "build_model", "UnsupportedArchitectureError"]
+__all__ = ["ARCHITECTURES", "WEIGHT_MODES", "CheckpointError", "build_model", "validate",
+           "UnsupportedArchitectureError"]

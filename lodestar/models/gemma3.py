@@ -6,7 +6,7 @@ five sliding-window layers (local rope base) for every global layer; tied head.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -16,7 +16,8 @@ from lodestar.layers.activation import gelu_tanh_mul
 from lodestar.layers.attention import AttentionBatch
 from lodestar.layers.norm import OffsetRMSNorm
 from lodestar.layers.rotary import RotaryEmbedding
-from lodestar.models.llama import LlamaArgs, LlamaAttention, mlp_projections
+from lodestar.models.llama import LlamaArgs, LlamaAttention, block_tensors, check_config, mlp_projections, trunk_tensors
+from lodestar.models.validate import CheckpointError, TensorSpec
 from lodestar.models.weights import WeightLoader, split_fused
 
 
@@ -78,7 +79,37 @@ class Gemma3Block(nn.Module):
         return h + self.post_ffn_norm(self.mlp(self.ffn_norm(h)))
 
 
+def check_gemma3_config(cfg: ModelConfig) -> None:
+    """Llama's checks plus the extras ``Gemma3Args`` reads."""
+    check_config(cfg)
+    e, a = cfg.extra, cfg.arch
+    pattern = e.get("sliding_window_pattern", 6)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise CheckpointError(f"{a}.sliding_window_pattern is {pattern!r}; expected a positive int")
+    for name in ("rope_local_theta", "query_pre_attn_scalar"):
+        value = e.get(name, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise CheckpointError(f"{a}.{name} is {value!r}; expected a positive number")
+
+
+def gemma3_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+    """Llama's tensors with required q/k norms and the norms after attention and MLP."""
+    d = cfg.d_model
+    emb = f"{cfg.arch}.embedding_length={d}"
+    specs = trunk_tensors(cfg)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        specs += [replace(s, required=True, group=None) if s.group == p + "qk_norm" else s
+                  for s in block_tensors(cfg, i)]
+        specs += [TensorSpec(p + "post_attention_norm.weight", (d,), emb),
+                  TensorSpec(p + "post_ffw_norm.weight", (d,), emb)]
+    return specs
+
+
 class Gemma3Model(nn.Module):
+    check_config = staticmethod(check_gemma3_config)
+    expected_tensors = staticmethod(gemma3_tensors)
+
     def __init__(self, cfg: ModelConfig, w: WeightLoader) -> None:
         super().__init__()
         self.config = cfg

@@ -15,6 +15,7 @@ from lodestar.layers.activation import silu_mul
 from lodestar.layers.attention import AttentionBatch, paged_attention, write_kv
 from lodestar.layers.norm import RMSNorm
 from lodestar.layers.rotary import RotaryEmbedding
+from lodestar.models.validate import CheckpointError, TensorSpec
 from lodestar.models.weights import WeightLoader, split_fused
 
 # llama.cpp stores Llama/Mistral q and k rows interleaved for its rope; undo that at load.
@@ -42,6 +43,77 @@ class LlamaArgs:
         return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
                    cfg.vocab_size, cfg.rms_eps, cfg.rope_theta, cfg.rope_dim, cfg.context_length,
                    cfg.arch in PERMUTED_QK_ARCHS and not cfg.extra.get("hf_layout", False))
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Hyper-parameters the Llama graph depends on: one head count for every layer, grouped
+    query heads, one even head dimension for keys and values, an even rotary dimension."""
+    a = cfg.arch
+    for suffix in ("attention.head_count", "attention.head_count_kv"):
+        per_layer = cfg.extra.get(f"{suffix}_per_layer")
+        if per_layer is not None and len(set(per_layer)) > 1:
+            raise CheckpointError(f"{a}.{suffix} differs between layers ({sorted(set(per_layer))}); "
+                                  "lodestar needs one head count for every layer")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise CheckpointError(f"{a}.attention.head_count={cfg.n_heads} is not a multiple of "
+                              f"{a}.attention.head_count_kv={cfg.n_kv_heads}")
+    if cfg.head_dim % 2:
+        raise CheckpointError(f"head dimension {cfg.head_dim} ({_head_dim_source(cfg)}) is odd; "
+                              "rotary embeddings need an even one")
+    if cfg.v_head_dim != cfg.head_dim:
+        raise CheckpointError(f"{a}.attention.value_length={cfg.v_head_dim} differs from the key length "
+                              f"{cfg.head_dim}; {a} models use one head dimension")
+    if cfg.rope_dim % 2 or not 2 <= cfg.rope_dim <= cfg.head_dim:
+        raise CheckpointError(f"{a}.rope.dimension_count is {cfg.rope_dim}; expected an even number from 2 "
+                              f"to the head dimension {cfg.head_dim}")
+
+
+def _head_dim_source(cfg: ModelConfig) -> str:
+    if "attention.key_length" in cfg.extra:
+        return f"{cfg.arch}.attention.key_length"
+    return f"{cfg.arch}.embedding_length / {cfg.arch}.attention.head_count"
+
+
+def trunk_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+    """Embedding, final norm, optional untied head and rope factors."""
+    a, d, v = cfg.arch, cfg.d_model, cfg.vocab_size
+    vocab = f"{a}.vocab_size={v}" if "vocab_size" in cfg.extra else f"the vocabulary size {v}"
+    emb = f"{a}.embedding_length={d}"
+    return [
+        TensorSpec("token_embd.weight", (v, d), f"{vocab} and {emb}"),
+        TensorSpec("output_norm.weight", (d,), emb),
+        TensorSpec("output.weight", (v, d), f"{vocab} and {emb}", required=False),
+        TensorSpec("rope_freqs.weight", (cfg.rope_dim // 2,), f"{a}.rope.dimension_count={cfg.rope_dim} / 2",
+                   required=False),
+    ]
+
+
+def block_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    """Block ``i``: norms, q/k/v/o (optional q/k/v biases and q/k norms), gate/up/down."""
+    a, d, f, hd = cfg.arch, cfg.d_model, cfg.ffn_dim, cfg.head_dim
+    p = f"blk.{i}."
+    emb = f"{a}.embedding_length={d}"
+    head = f"head dimension {hd}"
+    q = f"{a}.attention.head_count={cfg.n_heads} x {head}"
+    kv = f"{a}.attention.head_count_kv={cfg.n_kv_heads} x {head}"
+    ffn = f"{a}.feed_forward_length={f}"
+    nq, nkv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    return [
+        TensorSpec(p + "attn_norm.weight", (d,), emb),
+        TensorSpec(p + "attn_q.weight", (nq, d), f"{q} and {emb}"),
+        TensorSpec(p + "attn_k.weight", (nkv, d), f"{kv} and {emb}"),
+        TensorSpec(p + "attn_v.weight", (nkv, d), f"{kv} and {emb}"),
+        TensorSpec(p + "attn_output.weight", (d, nq), f"{emb} and {q}"),
+        TensorSpec(p + "attn_q.bias", (nq,), q, required=False, group=p + "bias"),
+        TensorSpec(p + "attn_k.bias", (nkv,), kv, required=False, group=p + "bias"),
+        TensorSpec(p + "attn_v.bias", (nkv,), kv, required=False, group=p + "bias"),
+        TensorSpec(p + "attn_q_norm.weight", (hd,), head, required=False, group=p + "qk_norm"),
+        TensorSpec(p + "attn_k_norm.weight", (hd,), head, required=False, group=p + "qk_norm"),
+        TensorSpec(p + "ffn_norm.weight", (d,), emb),
+        TensorSpec(p + "ffn_gate.weight", (f, d), f"{ffn} and {emb}"),
+        TensorSpec(p + "ffn_up.weight", (f, d), f"{ffn} and {emb}"),
+        TensorSpec(p + "ffn_down.weight", (d, f), f"{emb} and {ffn}"),
+    ]
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
@@ -240,6 +312,12 @@ class LlamaBlock(nn.Module):
 
 class LlamaModel(nn.Module):
     """Trunk (embedding → blocks → final norm) plus a separate head."""
+
+    check_config = staticmethod(check_config)
+
+    @staticmethod
+    def expected_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+        return trunk_tensors(cfg) + [s for i in range(cfg.n_layers) for s in block_tensors(cfg, i)]
 
     def __init__(self, cfg: ModelConfig, w: WeightLoader) -> None:
         super().__init__()

@@ -13,6 +13,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from lodestar.serve.chat_prompt import RenderedPrompt, render_chat
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
@@ -144,7 +145,7 @@ def render(state: ServeState, body: MessagesCountRequest) -> tuple[RenderedPromp
     state.check_model(body.model)
     tools, names = tools_of(body)
     prompt = render_chat(state.tokenizer, messages_of(body), tools, enable_thinking=_thinking(body),
-                         continue_final=True)
+                         continue_final=True, check_text=lambda text: state.check_prompt_text(text, "messages"))
     return prompt, names
 
 
@@ -258,7 +259,7 @@ async def create_message(body: MessagesRequest, request: Request):
     if (body.output_config or {}).get("format") is not None:
         raise APIError(400, "output_config.format (structured output) is not supported yet (no constrained "
                             "decoding); ask for JSON in the prompt instead", param="output_config.format")
-    prompt, names = render(state, body)
+    prompt, names = await run_in_threadpool(render, state, body)   # tokenizing can take seconds
     user_stops = list(body.stop_sequences or [])
     try:
         max_tokens = resolve_max_tokens(state, len(prompt.ids), body.max_tokens)
@@ -282,5 +283,5 @@ async def create_message(body: MessagesRequest, request: Request):
 
 @router.post("/v1/messages/count_tokens", summary="Count the input tokens of a message (Anthropic)")
 async def count_tokens(body: MessagesCountRequest, request: Request):
-    prompt, _ = render(get_state(request), body)
+    prompt, _ = await run_in_threadpool(render, get_state(request), body)
     return {"input_tokens": len(prompt.ids)}

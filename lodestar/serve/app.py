@@ -7,6 +7,9 @@ serve a scripted engine double.
 from __future__ import annotations
 
 import datetime
+import json
+import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,8 +30,36 @@ Anthropic Messages at <code>/v1/messages</code>, API reference at <a href="/docs
 """
 
 
+log = logging.getLogger("lodestar.serve")
+
+# A JSON escape of a UTF-16 surrogate; most are halves of a valid pair, so a body that has
+# one is parsed and searched for surrogates left alone (not valid Unicode: no tokenizer,
+# template or encoder can take them).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate_at(value) -> str | None:
+    """The field path of the first string (or key) in ``value`` holding a lone surrogate."""
+    stack = [("", value)]
+    while stack:                       # iterative: a deeply nested body must not overflow the stack
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                at = f"{where}.{k}" if where else str(k)
+                stack += [(at, item), (at, k)]
+        elif isinstance(v, list):
+            stack += [(f"{where}[{i}]", item) for i, item in reversed(list(enumerate(v)))]
+    return None
+
+
 class BodyLimitMiddleware:
-    """Reads request bodies up front, refusing those over ``limit`` bytes with 413."""
+    """Reads request bodies up front, refusing those over ``limit`` bytes with 413 and JSON
+    whose strings hold a lone UTF-16 surrogate with 400."""
 
     def __init__(self, app, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -57,6 +88,17 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
+        if _SURROGATE_ESCAPE.search(body):
+            try:
+                where = _lone_surrogate_at(json.loads(body))
+            except (ValueError, RecursionError):
+                where = None               # not JSON: the route's own parser says so
+            if where is not None:
+                bad = APIError(400, f"Invalid request: {where}: the text holds a lone UTF-16 surrogate "
+                                    "(an unpaired \\ud800-\\udfff escape), which is not valid Unicode",
+                               param=where)
+                await error_response(path, bad)(scope, receive, send)
+                return
 
         async def replay():
             nonlocal replayed
@@ -66,6 +108,37 @@ class BodyLimitMiddleware:
             return await receive()      # after the body: wait for the disconnect
 
         await self.app(scope, replay, send)
+
+
+class ErrorMiddleware:
+    """Turns an exception no route handled into a 500 in the API's error shape.
+
+    It sits inside the CORS middleware, so such answers carry the same CORS headers as
+    every other (Starlette's own catch-all handler runs outside all middleware).
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise                      # the status line is out: the connection just ends
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            await error_response(scope.get("path", ""), as_api_error(exc))(scope, receive, send)
 
 
 class MetricsMiddleware:
@@ -93,8 +166,16 @@ class MetricsMiddleware:
             self.state.metrics.record_request(getattr(route, "path", None) or "other", status)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"})
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic names a union's branch in an error's location ('constrained-str', 'list[str]')."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
+
+
 def _field(loc) -> str:
-    parts = [p for p in loc if p != "body"]
+    parts = [p for p in loc if p != "body" and not _is_type_tag(p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -162,7 +243,12 @@ def build_app(engine, config: ServeConfig | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        # Of a union's failed branches, the one that got deepest into the value, and did not
+        # just have the wrong type, says most ("stop[0]: at most 1024 characters" rather than
+        # "stop: should be a string").
+        first = max(errors, key=lambda e: (len(_field(e.get("loc", ())).replace("[", ".").split(".")),
+                                           not str(e.get("type", "")).endswith("_type")),
+                    default={"loc": ("body",), "msg": "invalid request"})
         if first.get("type") == "json_invalid":
             err = APIError(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
                            param="body")
@@ -185,15 +271,12 @@ def build_app(engine, config: ServeConfig | None = None) -> FastAPI:
     async def on_disconnect(request: Request, exc: ClientDisconnected):
         return Response(status_code=499)
 
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception):
-        return error_response(request.url.path, as_api_error(exc))
-
     # Outermost last: CORS wraps everything, so even 401 and 413 answers carry its headers.
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
     app.add_middleware(MetricsMiddleware, state=state)
+    app.add_middleware(ErrorMiddleware)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"])

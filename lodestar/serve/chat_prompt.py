@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jinja2
 
@@ -129,14 +130,19 @@ def _plain_transcript(messages: list[dict], continue_final: bool) -> str:
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, *,
                 enable_thinking: bool | None = None, template_kwargs: dict | None = None,
-                continue_final: bool = False) -> RenderedPrompt:
-    """Prompt ids for ``messages`` (neutral shape, see the module doc); raises APIError(400) on bad input."""
+                continue_final: bool = False, check_text: Callable[[str], None] | None = None) -> RenderedPrompt:
+    """Prompt ids for ``messages`` (neutral shape, see the module doc); raises APIError(400) on bad input.
+
+    ``check_text`` sees the rendered text before it is tokenized and may raise to refuse it.
+    """
     if not messages:
         raise APIError(400, "messages must contain at least one message", param="messages")
     messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
     continue_final = continue_final and messages[-1]["role"] == "assistant" and bool(messages[-1].get("content"))
     if not tokenizer.has_chat_template:
         text = _plain_transcript(_as_text_tools(messages, tools), continue_final)
+        if check_text is not None:
+            check_text(text)
         return RenderedPrompt(tokenizer.encode(text), text, [PLAIN_STOP])
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
     if enable_thinking is not None:
@@ -150,5 +156,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
                                              continue_final_message=continue_final, **kwargs)
     except (TokenizerError, TypeError, ValueError, jinja2.TemplateError) as e:
         raise APIError(400, f"The chat template cannot render these messages: {e}", param="messages") from None
+    if check_text is not None:
+        check_text(text)
     return RenderedPrompt(tokenizer.encode(text, add_special_tokens=False), text,
                           in_reasoning=prompt_opens_reasoning(text))

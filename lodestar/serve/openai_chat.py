@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from lodestar.serve.chat_prompt import render_chat
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
@@ -93,6 +94,7 @@ CHAT_FIELDS = {"logprobs": "top_logprobs", "repetition_penalty": "repetition_pen
 def prepare(state: ServeState, body: ChatCompletionRequest) -> tuple[list[GenerationSpec], str]:
     """Validate and render a chat request into one engine spec per choice; also the max-tokens field name."""
     state.check_model(body.model)
+    state.check_rows(body.n, "n")
     if body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, f"response_format {body.response_format.type!r} is not supported yet (no constrained "
                             "decoding); ask for JSON in the prompt instead", param="response_format")
@@ -100,7 +102,8 @@ def prepare(state: ServeState, body: ChatCompletionRequest) -> tuple[list[Genera
     tools, names = select_tools(tools, body.tool_choice)
     prompt = render_chat(state.tokenizer, chat_messages(body), tools,
                          enable_thinking=thinking_flag(body.reasoning_effort, body.chat_template_kwargs),
-                         template_kwargs=body.chat_template_kwargs)
+                         template_kwargs=body.chat_template_kwargs,
+                         check_text=lambda text: state.check_prompt_text(text, "messages"))
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
@@ -204,7 +207,7 @@ async def stream_chat(state: ServeState, path: str, model: str, gens: list[Gener
 @router.post("/v1/chat/completions", summary="Create a chat completion (OpenAI)")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
-    specs, max_field = prepare(state, body)
+    specs, max_field = await run_in_threadpool(prepare, state, body)   # tokenizing can take seconds
     if body.stream:
         gens = [Generation(state, s, stream=True, keepalive_s=state.config.keepalive_s) for s in specs]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

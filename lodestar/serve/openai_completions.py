@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
 from lodestar.serve.generation import (Generation, GenerationSpec, Result, TokenLogprob, build_params,
@@ -18,8 +19,8 @@ from lodestar.serve.state import ClientDisconnected, ServeState, get_state, unti
 router = APIRouter(tags=["OpenAI"])
 
 
-def prompt_ids(state: ServeState, prompt) -> list[list[int]]:
-    """One token-id list per prompt."""
+def prompt_ids(state: ServeState, prompt, n: int = 1) -> list[list[int]]:
+    """One token-id list per prompt (refusing more than the server takes at once, with ``n`` choices each)."""
     tok = state.tokenizer
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -29,10 +30,14 @@ def prompt_ids(state: ServeState, prompt) -> list[list[int]]:
         prompts = list(prompt)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
+    state.check_rows(len(prompts) * n, "prompt")
     out = []
     for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            state.check_prompt_text(p, where)
         ids = tok.encode(p) if isinstance(p, str) else list(p)
-        check_prompt_ids(ids, tok.vocab_size, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        check_prompt_ids(ids, tok.vocab_size, where)
         out.append(ids)
     return out
 
@@ -71,7 +76,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
-    prompts = prompt_ids(state, body.prompt)
+    prompts = await run_in_threadpool(prompt_ids, state, body.prompt, body.n)   # tokenizing can take seconds
     n = body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)

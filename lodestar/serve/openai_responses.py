@@ -10,6 +10,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from lodestar.serve.chat_prompt import render_chat
 from lodestar.serve.errors import APIError, as_api_error
@@ -306,7 +307,8 @@ def prepare(state: ServeState, body: ResponsesRequest) -> GenerationSpec:
     tools, names = select_tools(function_tools(body), _tool_choice(body.tool_choice))
     effort = body.reasoning.effort if body.reasoning else None
     prompt = render_chat(state.tokenizer, input_messages(body), tools,
-                         enable_thinking=EFFORT_THINKING.get(effort) if effort else None)
+                         enable_thinking=EFFORT_THINKING.get(effort) if effort else None,
+                         check_text=lambda text: state.check_prompt_text(text, "input"))
     try:
         max_tokens = resolve_max_tokens(state, len(prompt.ids), body.max_output_tokens)
     except Exception as e:
@@ -346,7 +348,7 @@ async def _stream(state: ServeState, env: _Envelope, gen: Generation, want_logpr
 @router.post("/v1/responses", summary="Create a model response (OpenAI Responses)")
 async def create_response(body: ResponsesRequest, request: Request):
     state = get_state(request)
-    spec = prepare(state, body)
+    spec = await run_in_threadpool(prepare, state, body)   # tokenizing can take seconds
     env = _Envelope(body, body.model)
     want_logprobs = body.top_logprobs is not None
     if body.stream:

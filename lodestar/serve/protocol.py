@@ -9,9 +9,13 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lodestar.engine.sampling import MAX_STOP_CHARS
+
 Bias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
-StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
-Stop = Union[Annotated[str, Field(min_length=1)], StopList, None]
+MAX_STOP_STRINGS = 16       # per request; the server may add the prompt format's own
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+Stop = Union[StopString, StopList, None]
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 

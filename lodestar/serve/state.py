@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from fastapi import Request
@@ -23,6 +24,7 @@ class ServeConfig:
     cors_origins: tuple[str, ...] = ()
     keepalive_s: float = 2.0                       # SSE comment interval while no token arrives
     max_body_bytes: int = 8 * 1024 * 1024
+    max_request_rows: int = 128                    # engine requests (prompts x n) one HTTP request may queue
     static_dir: Path | None = STATIC_DIR
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -49,6 +51,31 @@ class ServeState:
     @property
     def model_id(self) -> str:
         return self.config.model_names[0]
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token can stand for: a prompt longer than this many
+        bytes per context token cannot fit, and is refused before it is tokenized."""
+        tok = self.engine.tokenizer
+        return max(1, max(max(len(tok.token_bytes(i)), len(tok.id_to_piece(i).encode()))
+                          for i in range(tok.vocab_size)))
+
+    def check_prompt_text(self, text: str, field_name: str) -> None:
+        """Refuse text that cannot fit the context however it tokenizes, without tokenizing it."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        least = -(-size // self.max_token_bytes)
+        context = self.engine.max_model_len
+        if least >= context:
+            raise APIError(400, f"The prompt is {size:,} bytes of text, at least {least:,} tokens, and this model's "
+                                f"maximum context length is {context:,} tokens. Shorten the prompt.",
+                           param=field_name, code="context_length_exceeded")
+
+    def check_rows(self, rows: int, field_name: str) -> None:
+        """One HTTP request may queue at most ``max_request_rows`` engine requests (prompts x n)."""
+        limit = min(self.config.max_request_rows, getattr(self.engine, "max_queued", None) or 1 << 30)
+        if rows > limit:
+            raise APIError(400, f"This request asks for {rows} generations (prompts x n); at most {limit} are "
+                                "allowed in one request. Split it into several requests.", param=field_name)
 
     def check_model(self, name: str | None, field_name: str = "model") -> str:
         """The served name the request asked for; 404 for any other."""

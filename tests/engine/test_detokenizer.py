@@ -199,3 +199,53 @@ def test_random_streams_match_one_shot_decode_cut_at_stop():
         assert detok.stopped == stopped
         stopped_trials += stopped
     assert 100 < stopped_trials < 1400  # both paths well exercised
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    return max((k for s in stops for k in range(1, min(len(s), len(text) + 1))
+                if text.endswith(s[:k])), default=0)
+
+
+def test_overlapping_stops_hold_back_exactly_the_longest_possible_start():
+    # A two-letter alphabet with stop strings that overlap themselves and each other
+    # exercises every fallback of the matcher.
+    rng = random.Random(7)
+    vocab = Vocab([b"a", b"b", b"ab", b"ba", b"aab", b"bb"])
+    stop_pool = ["aab", "abab", "ba", "bab", "aaaa", "abba", "b", "abaab"]
+    for trial in range(2000):
+        stops = rng.sample(stop_pool, rng.randint(1, 4))
+        ids = [rng.randrange(len(vocab.pieces)) for _ in range(rng.randint(0, 20))]
+        detok = _detok(vocab, stop=stops)
+        expected, stopped = _reference([vocab.token_bytes(t) for t in ids], stops, False)
+        streamed, seen = "", b""
+        for t in ids:
+            streamed += detok.push(t)
+            seen += vocab.token_bytes(t)
+            if not detok.stopped:
+                text = seen.decode()
+                assert streamed == text[:len(text) - _held_back(text, stops)], (trial, ids, stops)
+        streamed += detok.flush()
+        assert streamed == expected and detok.stopped == stopped, (trial, ids, stops)
+
+
+def test_long_stop_strings_cost_linear_time_and_memory():
+    import time
+    import tracemalloc
+
+    # 16 stop strings of 40,000 characters each, and a long output that keeps almost
+    # matching them: the matcher's work and memory grow with the text, not its square.
+    stops = [("ab" * 20_000)[:39_999] + chr(ord("c") + i) for i in range(16)]
+    vocab = Vocab([b"ab", b"x"])
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    detok = _detok(vocab, stop=stops)
+    for i in range(30_000):
+        detok.push(1 if i % 25_000 == 24_999 else 0)
+    detok.flush()
+    seconds = time.perf_counter() - t0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert not detok.stopped and detok.text == ("ab" * 24_999 + "x" + "ab" * 5_000)
+    assert peak < 60e6, f"peak {peak / 1e6:.0f} MB"
+    assert seconds < 20, f"{seconds:.1f} s"

@@ -69,3 +69,61 @@ def test_size_cap_deletes_least_recently_used(loaded, tmp_path):
     run_once(loaded, tmp_path, case="chat_multiturn", disk_min_tokens=32, disk_max_bytes=3 << 20)
     files = list(tmp_path.glob("*.kv"))
     assert len(files) == 1 and files[0].stat().st_size <= 3 << 20
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """Replace a checkpoint's JSON header with ``change(header)`` (any JSON value), keeping
+    the marker and the payload as they were."""
+    import struct
+    data = path.read_bytes()
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    header = json.loads(data[12:12 + hlen])
+    new = json.dumps(change(header)).encode()
+    path.write_bytes(data[:8] + struct.pack("<I", len(new)) + new + data[12 + hlen:])
+
+
+HEADER_DAMAGE = {
+    "a list": lambda h: [h],
+    "a number": lambda h: 7,
+    "a string": lambda h: "header",
+    "null": lambda h: None,
+    "shapes as ints": lambda h: {**h, "shapes": [s[0] for s in h["shapes"]]},
+    "shapes as a string": lambda h: {**h, "shapes": "9x64"},
+    "tokens as a string": lambda h: {**h, "tokens": "1 2 3"},
+    "version as a string": lambda h: {**h, "version": "1"},
+    "payload_bytes as a list": lambda h: {**h, "payload_bytes": [h["payload_bytes"]]},
+    "a key missing": lambda h: {k: v for k, v in h.items() if k != "checksum"},
+    "dtype unknown": lambda h: {**h, "dtype": "float128"},
+    "block_size a float": lambda h: {**h, "block_size": 16.5},
+}
+
+
+def test_a_header_of_the_wrong_shape_is_deleted_not_fatal(loaded, tmp_path):
+    """Each damaged header once raised TypeError on the engine thread, killing the server."""
+    import shutil
+    short = dict(case="chat_multiturn", disk_min_tokens=32)
+    _, _, e = run_once(loaded, tmp_path / "good", **short)
+    good = sorted((tmp_path / "good").glob("*.kv"))
+    assert good
+    meta = e.disk.layout
+    from lodestar.engine.disk_cache import DiskKVCache
+    for name, change in HEADER_DAMAGE.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        for f in good:
+            shutil.copy(f, folder / f.name)
+            _rewrite_header(folder / f.name, change)
+        cache = DiskKVCache(folder, meta)
+        for f in good:
+            chain = bytes.fromhex(f.stem.rsplit("-", 1)[1])
+            assert cache.load(chain, list(range(32))) is None, name
+            assert not (folder / f.name).exists(), name
+        assert cache.stats["rejected"] == len(good), name
+    # End to end, the engine recomputes and checkpoints again (the first case of the report).
+    for f in good:
+        _rewrite_header(f, HEADER_DAMAGE["a list"])
+    toks, last, e = run_once(loaded, tmp_path / "good", **short)
+    assert toks == CASES["chat_multiturn"]["tokens"][:8]
+    assert last.cache_read_disk_tokens == 0 and e.disk.stats["rejected"] >= 1
+    toks, last, e = run_once(loaded, tmp_path / "good", **short)
+    assert toks == CASES["chat_multiturn"]["tokens"][:8] and last.cache_read_disk_tokens > 0

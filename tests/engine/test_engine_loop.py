@@ -114,6 +114,20 @@ def test_random_aborts_leak_nothing(smollm_path):
     assert all(rc == 0 for rc in e.pool.ref_counts)
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_bookkeeping_stays_bounded_over_many_requests(smollm_path, prefix_cache):
+    """Per-block records live only as long as the prefix cache holds the block: none at all
+    without a prefix cache (they once grew by one per block of every request served)."""
+    e = _engine(mode="packed", max_num_seqs=4, kv_tokens=512, enable_prefix_cache=prefix_cache)
+    for i in range(24):
+        prompt = CASES[NAMES[i % len(NAMES)]]["prompt_ids"] + [i + 10] * 40
+        e.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert not e.requests and e.pool.num_used == 0
+    assert len(e._block_meta) == len(e.pool.cached) <= e.pool.num_blocks
+    if not prefix_cache:
+        assert not e._block_meta
+
+
 def test_block_pool_lru_eviction_keeps_prefix_order():
     pool = BlockPool(4, 2)
     hashes = prefix_hashes([1, 2, 3, 4, 5, 6], 2, "fp")

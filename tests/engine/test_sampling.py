@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from lodestar.engine.faults import NonFiniteLogitsError
 from lodestar.engine.sampling import MAX_LOGPROBS, SampleResult, Sampler, SamplerState, SamplingParams
 
 VOCAB = 64
@@ -52,14 +53,15 @@ def test_plain_greedy_fast_path_matches_the_general_path(monkeypatch):
     assert fast[1] == 10 and fast[2] == 7
 
 
-def test_plain_greedy_rows_with_no_token_or_nan_take_the_general_path():
+def test_plain_greedy_rows_without_a_finite_maximum_are_a_model_fault():
     dead = _logits(2, seed=4)
     dead[1] = -math.inf
-    with pytest.raises(ValueError, match=r"no token can be sampled in batch rows \[1\]"):
+    with pytest.raises(NonFiniteLogitsError, match=r"-inf logits \(batch row 1\)"):
         Sampler().sample(dead, [_state(temperature=0.0) for _ in range(2)])
     nan = _logits(1, seed=5)
-    nan[0, 3] = math.nan          # not every logit dead: the general path samples as before
-    assert _tokens(Sampler().sample(nan, [_state(temperature=0.0)])) == nan.argmax(-1).tolist()
+    nan[0, 3] = math.nan          # one NaN logit: no token of the row can be trusted
+    with pytest.raises(NonFiniteLogitsError, match=r"NaN logits \(batch row 0\)"):
+        Sampler().sample(nan, [_state(temperature=0.0)])
 
 
 def test_greedy_takes_no_random_draw():
