@@ -385,8 +385,11 @@ def main(a: argparse.Namespace) -> int:
         wait_idle(base)
         rss0, lat0 = rss_mb(proc.pid), probe_latency(base, name)
         stats = run_fuzz(base, name, a.count, a.workers, a.seed, a.timeout, a.max_seconds, progress=True)
-        health = wait_idle(base)
-        rss1, lat1 = rss_mb(proc.pid), probe_latency(base, name)
+        try:
+            health = wait_idle(base)
+            rss1, lat1 = rss_mb(proc.pid), probe_latency(base, name)
+        except httpx.HTTPError as e:      # the server stopped answering: that is the finding
+            health, rss1, lat1 = {"error": f"{type(e).__name__}: {e}"}, rss_mb(proc.pid), [float("nan")]
         alive = proc.poll() is None
     finally:
         proc.terminate()
