@@ -58,8 +58,8 @@ def _lone_surrogate_at(value) -> str | None:
 
 
 class BodyLimitMiddleware:
-    """Reads request bodies up front, refusing those over ``limit`` bytes with 413 and JSON
-    whose strings hold a lone UTF-16 surrogate with 400."""
+    """Reads request bodies up front, refusing those over ``limit`` bytes with 413, and bodies
+    that are not UTF-8 or whose JSON strings hold a lone UTF-16 surrogate with 400."""
 
     def __init__(self, app, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -88,6 +88,12 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:    # JSON is UTF-8; the JSON parser would fail with a 500
+            bad = APIError(400, f"The request body is not valid UTF-8 (byte {e.start}: {e.reason}).", param="body")
+            await error_response(path, bad)(scope, receive, send)
+            return
         if _SURROGATE_ESCAPE.search(body):
             try:
                 where = _lone_surrogate_at(json.loads(body))

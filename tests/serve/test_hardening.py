@@ -82,6 +82,13 @@ def test_a_lone_surrogate_is_a_400_on_every_route(fake_url, stream):
             assert r.json()["error"]["param"] in ("messages[0].content", "prompt", "input")
 
 
+def test_a_body_that_is_not_utf8_is_a_400_on_every_route(fake_url):
+    for path, body in _bodies("hello world").items():
+        raw = json.dumps(body).encode().replace(b"hello", b"he\xff\xfello")
+        r = httpx.post(fake_url + path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "UTF-8" in _error_text(r), (path, r.status_code, r.text)
+
+
 def test_a_surrogate_pair_escape_is_ordinary_text(fake_url, script):
     raw = (b'{"model": "%s", "messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}' % MODEL.encode())
     r = httpx.post(fake_url + CHAT, content=raw, headers={"content-type": "application/json"})
