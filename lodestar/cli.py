@@ -179,7 +179,6 @@ class ChatSession:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    from lodestar.engine.llm_engine import ContextLengthError
     params = _sampling_params(a)
     engine = _load_engine(a)
     session = ChatSession(engine, a.system)
@@ -388,7 +387,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 return True
             return await super().on_tick(counter)
 
-    server = Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=5))
+    import logging
+    logging.getLogger("lodestar").setLevel(a.log_level.upper())
+    server = Server(uvicorn.Config(app, log_level=a.log_level, access_log=a.log_level == "debug",
+                                   timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it handled; the shutdown was clean
@@ -464,8 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
     s.add_argument("--keepalive", type=float, default=2.0,
                    help="seconds between SSE keep-alive comments while no token arrives (default 2)")
-    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                   help="server log level; info adds one access line per request")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level: info (default) logs requests the server changed and long prefills' "
+                        "progress; debug adds one access line per request")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import dataclasses
 import json
 import statistics
 

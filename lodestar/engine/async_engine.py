@@ -121,7 +121,8 @@ class AsyncLLMEngine:
     def stats(self) -> dict:
         e = self.engine
         return {"waiting": len(e.waiting) + self._pending, "running": len(e.running),
-                "kv_blocks_used": e.pool.num_blocks - e.pool.num_free, "kv_blocks_total": e.pool.num_blocks}
+                "kv_blocks_used": e.pool.num_blocks - e.pool.num_free, "kv_blocks_total": e.pool.num_blocks,
+                "kv_block_size": e.config.block_size}
 
     # -- engine thread ----------------------------------------------------------
     def _take(self, item) -> None:

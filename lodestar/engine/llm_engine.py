@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -93,6 +95,11 @@ class Completion:
     text: str
     finish_reason: str
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+log = logging.getLogger("lodestar.engine")
+
+PREFILL_LOG_S = 10.0    # a prompt still prefilling after this long is logged, and again at this interval
 
 
 class LLMEngine:
@@ -357,9 +364,15 @@ class LLMEngine:
             self.stats["overlapped_steps"] += 1
             return self._collect()
         wants = [s.num_computed + n == s.num_tokens for s, n in zip(rows, counts)]
+        now = time.monotonic()
+        for s in rows:
+            if not s.prefill_started:
+                s.prefill_started = now
         logits = self.runner.run(rows, counts, wants)
         for s, w in zip(rows, wants):
             self._register_full_blocks(s)
+            if not s.output_ids:
+                self._log_prefill(s, w)
             if w and not s.output_ids and self.disk is not None and \
                     s.num_computed - s.cached_tokens >= self.disk.min_tokens:
                 # a cold prefill: checkpoint its prompt
@@ -372,6 +385,21 @@ class LLMEngine:
         except NonFiniteLogitsError as e:
             raise self._model_fault(str(e)) from None
         return [self._accept(seq, res) for seq, res in zip(sampled, results)]
+
+    def _log_prefill(self, seq: Sequence, done: bool) -> None:
+        """A long prefill's progress in the log: every ``PREFILL_LOG_S`` seconds, and when it ends."""
+        now = time.monotonic()
+        if now - (seq.prefill_logged or seq.prefill_started) < PREFILL_LOG_S and not (done and seq.prefill_logged):
+            return
+        seq.prefill_logged = now
+        total, computed = len(seq.prompt_ids), min(seq.num_computed, len(seq.prompt_ids))
+        rate = (computed - seq.cached_tokens) / max(now - seq.prefill_started, 1e-9)
+        if done:
+            log.info("request %d: prefill done, %d prompt tokens (%d from the prefix cache) in %.1f s, %.0f tokens/s",
+                     seq.seq_id, total, seq.cached_tokens, now - seq.prefill_started, rate)
+        else:
+            log.info("request %d: prefill %d/%d prompt tokens, %.0f tokens/s, about %.0f s left", seq.seq_id,
+                     computed, total, rate, (total - computed) / max(rate, 1e-9))
 
     def _model_fault(self, detail: str) -> ModelFaultError:
         """The error for logits the model computed as NaN or infinite, naming the file and the

@@ -29,6 +29,8 @@ class Sequence:
     disk_read_tokens: int = 0              # ... of which came from the disk tier
     cache_write_tokens: int = 0            # tokens checkpointed to the disk tier
     arrival: float = 0.0
+    prefill_started: float = 0.0           # monotonic time of its first prefill chunk (0: not yet)
+    prefill_logged: float = 0.0            # ... and of its last progress line (0: none yet)
 
     @property
     def num_tokens(self) -> int:

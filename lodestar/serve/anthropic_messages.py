@@ -1,8 +1,12 @@
 """Anthropic ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
 
 Content blocks map onto the neutral chat shape: ``text`` -> content, ``tool_use`` ->
-tool calls, ``tool_result`` -> tool messages, ``thinking`` -> reasoning. A final
-assistant message is continued (prefill), as the hosted API does. Usage follows
+tool calls, ``tool_result`` -> tool messages, ``thinking`` -> reasoning. ``system`` (and
+``developer``) messages inside ``messages``, which Claude Code sends, join the system
+prompt in order. What the server cannot run (server tools such as web search, the blocks
+their results come back in) is left out with a warning instead of a 400; images and
+documents are still refused. A final assistant message is continued (prefill), as the
+hosted API does. Usage follows
 Anthropic's accounting: ``input_tokens`` excludes the prompt tokens read from the
 prefix cache, which are reported as ``cache_read_input_tokens``.
 """
@@ -17,7 +21,8 @@ from starlette.concurrency import run_in_threadpool
 
 from lodestar.serve.chat_prompt import RenderedPrompt, render_chat
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
-from lodestar.serve.generation import Generation, GenerationSpec, Result, build_params, resolve_max_tokens
+from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, build_params,
+                                       resolve_max_tokens)
 from lodestar.serve.openai_chat import select_tools
 from lodestar.serve.protocol import AnthropicMessage, MessagesCountRequest, MessagesRequest
 from lodestar.serve.sse import KEEPALIVE, SSEResponse, sse_event
@@ -26,6 +31,8 @@ from lodestar.serve.state import ClientDisconnected, ServeState, get_state, unti
 router = APIRouter(tags=["Anthropic"])
 
 ANTHROPIC_FIELDS = {"stop": "stop_sequences", "max_tokens": "max_tokens"}
+SYSTEM_ROLES = ("system", "developer")
+UNREADABLE_BLOCKS = ("image", "document")     # content the model would need to see: refused, not dropped
 
 
 def _id(prefix: str) -> str:
@@ -50,7 +57,7 @@ def _block_text(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def _message(m: AnthropicMessage, i: int) -> list[dict]:
+def _message(m: AnthropicMessage, i: int, warnings: RequestWarnings) -> list[dict]:
     where = f"messages[{i}].content"
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
@@ -67,7 +74,11 @@ def _message(m: AnthropicMessage, i: int) -> list[dict]:
     for j, block in enumerate(m.content):
         kind = block.get("type")
         at = f"{where}[{j}]"
-        if kind == "text" and isinstance(block.get("text"), str):
+        if not isinstance(kind, str):
+            raise APIError(400, f"{at}.type is required (a content block type such as 'text')", param=f"{at}.type")
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise APIError(400, f"{at}.text must be a string", param=f"{at}.text")
             texts.append(block["text"])
         elif kind == "tool_result" and m.role == "user":
             flush_user_text()
@@ -85,9 +96,11 @@ def _message(m: AnthropicMessage, i: int) -> list[dict]:
             thinking.append(block["thinking"])
         elif kind == "redacted_thinking" and m.role == "assistant":
             continue
-        else:
+        elif kind in UNREADABLE_BLOCKS or kind in ("tool_result", "tool_use", "thinking"):
             raise APIError(400, f"{at}: content blocks of type {kind!r} are not supported in {m.role} messages",
                            param=at)
+        else:                             # server tool use and results, search results, ...: nothing to run
+            warnings.add(f"{at} of type {kind!r} left out: this server runs no server tools")
     if m.role == "user":
         flush_user_text()
         return out
@@ -99,29 +112,47 @@ def _message(m: AnthropicMessage, i: int) -> list[dict]:
     return [msg]
 
 
-def messages_of(body: MessagesCountRequest) -> list[dict]:
+def messages_of(body: MessagesCountRequest, warnings: RequestWarnings) -> list[dict]:
+    """The neutral chat messages: one system message (``system`` then any system-role messages, in
+    order), then the conversation."""
+    system = [_block_text(body.system, "system")] if body.system else []
     messages: list[dict] = []
-    if body.system:
-        messages.append({"role": "system", "content": _block_text(body.system, "system")})
     for i, m in enumerate(body.messages):
-        messages += _message(m, i)
+        if m.role in SYSTEM_ROLES:
+            text = _block_text(m.content, f"messages[{i}].content")
+            if text:
+                system.append(text)
+        else:
+            messages += _message(m, i, warnings)
+    if not messages:
+        raise APIError(400, "messages must contain at least one user or assistant message", param="messages")
+    if system:
+        messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
     return messages
 
 
-def tools_of(body: MessagesCountRequest) -> tuple[list[dict] | None, frozenset[str] | None]:
+def tools_of(body: MessagesCountRequest, warnings: RequestWarnings
+             ) -> tuple[list[dict] | None, frozenset[str] | None]:
     if not body.tools:
         return None, None
-    tools = []
+    tools, dropped = [], set()
     for i, t in enumerate(body.tools):
         if t.type not in (None, "custom"):
-            raise APIError(400, f"tools[{i}]: server tools ({t.type}) are not supported; declare client tools "
-                                "with name, description and input_schema", param=f"tools[{i}].type")
+            # Server tools (web search, code execution ...) and Anthropic-defined client tools
+            # (bash, text editor, computer) have no schema the model could follow here.
+            warnings.add(f"tools[{i}] ({t.name!r}, type {t.type!r}) dropped: this server runs no server tools "
+                         "and offers client tools declared with name, description and input_schema")
+            dropped.add(t.name)
+            continue
         tools.append({"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                         "parameters": t.input_schema or {"type": "object"}}})
     choice = body.tool_choice or {}
     kind = choice.get("type", "auto")
     if kind == "tool":
         mapped = {"name": choice.get("name")}
+        if choice.get("name") in dropped:
+            warnings.add(f"tool_choice names the dropped tool {choice.get('name')!r}; using auto")
+            mapped = "auto"
     elif kind in ("auto", "any", "none"):
         mapped = {"auto": "auto", "any": "required", "none": "none"}[kind]
     else:
@@ -141,10 +172,11 @@ def _thinking(body: MessagesCountRequest) -> bool | None:
     return None
 
 
-def render(state: ServeState, body: MessagesCountRequest) -> tuple[RenderedPrompt, frozenset[str] | None]:
+def render(state: ServeState, body: MessagesCountRequest, warnings: RequestWarnings
+           ) -> tuple[RenderedPrompt, frozenset[str] | None]:
     state.check_model(body.model)
-    tools, names = tools_of(body)
-    prompt = render_chat(state.tokenizer, messages_of(body), tools, enable_thinking=_thinking(body),
+    tools, names = tools_of(body, warnings)
+    prompt = render_chat(state.tokenizer, messages_of(body, warnings), tools, enable_thinking=_thinking(body),
                          continue_final=True, check_text=lambda text: state.check_prompt_text(text, "messages"))
     return prompt, names
 
@@ -239,7 +271,7 @@ async def _stream(path: str, model: str, gen: Generation, user_stops: list[str])
             for chunk in w.delta(d):
                 yield chunk
     except Exception as e:
-        yield f"event: error\ndata: {sse_error_payload(path, as_api_error(e))}\n\n"
+        yield f"event: error\ndata: {sse_error_payload(path, as_api_error(e, anthropic=True))}\n\n"
         return
     for chunk in w.close():
         yield chunk
@@ -259,29 +291,32 @@ async def create_message(body: MessagesRequest, request: Request):
     if (body.output_config or {}).get("format") is not None:
         raise APIError(400, "output_config.format (structured output) is not supported yet (no constrained "
                             "decoding); ask for JSON in the prompt instead", param="output_config.format")
-    prompt, names = await run_in_threadpool(render, state, body)   # tokenizing can take seconds
+    warnings = RequestWarnings()
+    prompt, names = await run_in_threadpool(render, state, body, warnings)   # tokenizing can take seconds
     user_stops = list(body.stop_sequences or [])
     try:
-        max_tokens = resolve_max_tokens(state, len(prompt.ids), body.max_tokens)
+        max_tokens = resolve_max_tokens(state, len(prompt.ids), body.max_tokens, warnings=warnings,
+                                        anthropic=True)
     except Exception as e:
-        raise as_api_error(e, "max_tokens") from None
+        raise as_api_error(e, anthropic=True) from None
     params = build_params(ANTHROPIC_FIELDS, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           max_tokens=max_tokens, stop=user_stops + prompt.stop or None)
     spec = GenerationSpec(prompt.ids, params, names, prompt.in_reasoning)
     if body.stream:
         gen = Generation(state, spec, stream=True, keepalive_s=state.config.keepalive_s)
-        return SSEResponse(_stream(request.url.path, body.model, gen, user_stops))
+        return SSEResponse(_stream(request.url.path, body.model, gen, user_stops), headers=warnings.headers())
     gen = Generation(state, spec, stream=False)
     try:
         result = await until_disconnect(request, gen.run())
     except ClientDisconnected:
         raise
     except Exception as e:
-        raise as_api_error(e, "max_tokens") from None
-    return JSONResponse(message_object(body.model, result, user_stops))
+        raise as_api_error(e, anthropic=True) from None
+    return JSONResponse(message_object(body.model, result, user_stops), headers=warnings.headers())
 
 
 @router.post("/v1/messages/count_tokens", summary="Count the input tokens of a message (Anthropic)")
 async def count_tokens(body: MessagesCountRequest, request: Request):
-    prompt, _ = await run_in_threadpool(render, get_state(request), body)
-    return {"input_tokens": len(prompt.ids)}
+    warnings = RequestWarnings()
+    prompt, _ = await run_in_threadpool(render, get_state(request), body, warnings)
+    return JSONResponse({"input_tokens": len(prompt.ids)}, headers=warnings.headers())

@@ -10,6 +10,7 @@ import datetime
 import json
 import logging
 import re
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 from lodestar.serve import anthropic_messages, openai_chat, openai_completions, openai_responses
 from lodestar.serve.auth import APIKeyMiddleware
 from lodestar.serve.errors import APIError, as_api_error, error_response
+from lodestar.serve.generation import WARNING_HEADER
 from lodestar.serve.state import ClientDisconnected, ServeConfig, ServeState, get_state
 
 PLACEHOLDER_PAGE = """<!doctype html>
@@ -188,8 +190,22 @@ def _field(loc) -> str:
     return out or "body"
 
 
+def _log_to_stderr() -> None:
+    """Server and engine log lines (request warnings, long prefills) reach stderr even when nothing
+    configured logging: uvicorn sets up only its own loggers. A program that configured logging keeps its setup."""
+    root = logging.getLogger("lodestar")
+    if root.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("lodestar: %(levelname)s: %(message)s"))
+    root.addHandler(handler)
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+
+
 def build_app(engine, config: ServeConfig | None = None) -> FastAPI:
     config = config or ServeConfig()
+    _log_to_stderr()
     state = ServeState(engine, config)
     app = FastAPI(title="lodestar", version="0.1.0",
                   description="Local LLM server speaking the OpenAI and Anthropic APIs.")
@@ -285,5 +301,5 @@ def build_app(engine, config: ServeConfig | None = None) -> FastAPI:
     app.add_middleware(ErrorMiddleware)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["Retry-After"])
+                           allow_headers=["*"], expose_headers=["Retry-After", WARNING_HEADER])
     return app

@@ -56,12 +56,49 @@ def error_response(path: str, err: APIError) -> JSONResponse:
     return JSONResponse(error_body(path, err), status_code=err.status, headers=err.headers)
 
 
-def context_error(e: ContextLengthError, max_tokens_field: str = "max_tokens") -> APIError:
-    total = e.prompt_tokens + (e.max_tokens or 0)
-    return APIError(400, f"This model's maximum context length is {e.context} tokens. However, you requested "
-                         f"{total} tokens ({e.prompt_tokens} in the prompt, {e.max_tokens} for the completion). "
-                         f"Shorten the prompt or lower {max_tokens_field}.",
-                    param=max_tokens_field, code="context_length_exceeded")
+def _ctx_suggestion(prompt_tokens: int) -> int:
+    """A ``--ctx`` that holds the prompt with room to answer: prompt + 1024, rounded up to 1024."""
+    return -(-(prompt_tokens + 1024) // 1024) * 1024
+
+
+def context_fix(prompt_tokens: int, trained: int | None) -> str:
+    """What the user can do about a prompt that does not fit the server's context (the model's own is
+    ``trained``, when known)."""
+    shorten = ("or shorten the prompt (fewer tools, a shorter system prompt or history: the client's own "
+               "settings)")
+    if trained is not None and prompt_tokens + 1 > trained:
+        return (f"Fix: this model supports at most {trained} tokens, so serve a model with a longer context, "
+                f"{shorten}.")
+    suggested = _ctx_suggestion(prompt_tokens)
+    if trained is not None:
+        suggested = min(suggested, trained)
+        where = f"`lodestar serve --ctx {suggested}`; this model supports up to {trained}"
+    else:
+        where = f"`lodestar serve --ctx {suggested}`, if the model supports it"
+    return f"Fix: restart the server with a longer context ({where}), serve a model with a longer context, {shorten}."
+
+
+def prompt_too_long_error(prompt_tokens: int, context: int, trained: int | None, field_name: str,
+                          anthropic: bool = False) -> APIError:
+    """The prompt alone leaves no room for one output token: a 400 with the numbers and the fix.
+
+    The Anthropic wording starts as the hosted API's does (``prompt is too long: N tokens >
+    M maximum``), which Claude Code recognises and reports as such.
+    """
+    fix = context_fix(prompt_tokens, trained)
+    if anthropic:
+        message = (f"prompt is too long: {prompt_tokens} tokens > {context} maximum (this server's context "
+                   f"for the model, which must also hold at least one output token). {fix}")
+    else:
+        # plain numbers, as the hosted API writes them: clients parse this message
+        message = (f"This model's maximum context length is {context} tokens, but the prompt has "
+                   f"{prompt_tokens} tokens (the prompt and at least one output token must fit). {fix}")
+    return APIError(400, message, param=field_name, code="context_length_exceeded")
+
+
+def context_error(e: ContextLengthError, field_name: str = "messages", anthropic: bool = False) -> APIError:
+    """The engine refused a prompt that does not fit (the server checks first, so this is a backstop)."""
+    return prompt_too_long_error(e.prompt_tokens, e.context, None, field_name, anthropic)
 
 
 def queue_full_error(e: QueueFullError) -> APIError:
@@ -83,12 +120,12 @@ def sampling_error(e: ValueError, fields: dict[str, str]) -> APIError:
     return APIError(400, f"Invalid value: {message}", param=param)
 
 
-def as_api_error(e: BaseException, max_tokens_field: str = "max_tokens") -> APIError:
+def as_api_error(e: BaseException, prompt_field: str = "messages", anthropic: bool = False) -> APIError:
     """Map an exception raised while serving a request to the error its client sees."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, ContextLengthError):
-        return context_error(e, max_tokens_field)
+        return context_error(e, prompt_field, anthropic)
     if isinstance(e, QueueFullError):
         return queue_full_error(e)
     if isinstance(e, EngineDeadError):

@@ -9,17 +9,48 @@ modules only translate these into their own wire grammar.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from lodestar.engine.async_engine import QueueFullError
-from lodestar.engine.llm_engine import ContextLengthError
 from lodestar.engine.sampling import SamplingParams
-from lodestar.serve.errors import APIError, sampling_error
+from lodestar.serve.errors import APIError, prompt_too_long_error, sampling_error
 from lodestar.serve.reasoning import ReasoningParser, split_reasoning
 from lodestar.serve.state import ServeState
 from lodestar.serve.tool_parsers import ToolCall, ToolCallParser, parse_tool_calls
+
+log = logging.getLogger("lodestar.serve")
+
+WARNING_HEADER = "x-lodestar-warning"
+
+
+class RequestWarnings:
+    """What the server changed or left out of a request instead of refusing it.
+
+    Each warning goes to the server log at once and back to the client in one
+    ``x-lodestar-warning`` header (the body keeps the API's own shape).
+    """
+
+    MAX_HEADER_CHARS = 2000
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        if message not in self.messages:
+            self.messages.append(message)
+            log.warning("request changed: %s", message)
+
+    def headers(self) -> dict[str, str]:
+        if not self.messages:
+            return {}
+        text = " | ".join(self.messages).replace("\r", " ").replace("\n", " ")
+        text = text.encode("ascii", "replace").decode("ascii")     # header values are latin-1; keep ASCII
+        if len(text) > self.MAX_HEADER_CHARS:
+            text = text[:self.MAX_HEADER_CHARS - 3] + "..."
+        return {WARNING_HEADER: text}
 
 
 @dataclass
@@ -99,18 +130,32 @@ def check_logit_bias(bias: dict | None, vocab_size: int, field_name: str = "logi
     return out
 
 
-def resolve_max_tokens(state: ServeState, prompt_len: int, requested: int | None, n: int = 1) -> int:
-    """The request's token budget; raises the 400/503 errors a stream could no longer report as a status."""
+def resolve_max_tokens(state: ServeState, prompt_len: int, requested: int | None, n: int = 1, *,
+                       warnings: RequestWarnings | None = None, max_field: str = "max_tokens",
+                       prompt_field: str = "messages", anthropic: bool = False) -> int:
+    """The request's token budget; raises the 400/503 errors a stream could no longer report as a status.
+
+    A prompt that leaves no room for one output token is a 400 naming both counts and the fix.
+    Otherwise the output may use the rest of the context: an uncapped request gets all of it,
+    and a cap larger than that is lowered to it, with a warning, rather than refused (OpenAI
+    refuses it, but coding tools send a fixed output cap with whatever prompt they have, and a
+    400 there breaks the tool). Either way the output stops with finish reason ``length``.
+    """
     context = state.engine.max_model_len
-    if requested is not None and prompt_len + requested > context:
-        raise ContextLengthError(prompt_len, requested, context)
     if prompt_len + 1 > context:
-        raise ContextLengthError(prompt_len, 1, context)
+        raise prompt_too_long_error(prompt_len, context, state.trained_context, prompt_field, anthropic)
     stats = state.engine.stats()
     limit = getattr(state.engine, "max_queued", None)
     if limit is not None and stats.get("waiting", 0) + n > limit:
         raise QueueFullError(stats.get("waiting", 0), limit)
-    return requested if requested is not None else context - prompt_len
+    room = context - prompt_len
+    if requested is None or requested <= room:
+        return requested if requested is not None else room
+    if warnings is not None:
+        warnings.add(f"{max_field}={requested} lowered to {room}: the prompt has {prompt_len} tokens and the "
+                     f"context is {context}, so the output stops after {room} tokens (finish reason length); "
+                     f"serve a longer context (--ctx) or lower the client's max output setting")
+    return room
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, field_name: str = "prompt") -> None:
@@ -155,12 +200,15 @@ class Generation:
         agen = engine.generate(spec.prompt_ids, spec.params)
         t0 = time.perf_counter()
         t_first: float | None = None
+        last_sent = t0                   # the last event the client got (keep-alives count)
         nxt: asyncio.Future | None = asyncio.ensure_future(agen.__anext__())
         try:
             while True:
                 if self.keepalive_s:
-                    done, _ = await asyncio.wait({nxt}, timeout=self.keepalive_s)
+                    timeout = max(0.0, last_sent + self.keepalive_s - time.perf_counter())
+                    done, _ = await asyncio.wait({nxt}, timeout=timeout)
                     if not done:
+                        last_sent = time.perf_counter()
                         yield Delta("keepalive")
                         continue
                 try:
@@ -169,8 +217,9 @@ class Generation:
                     nxt = None
                     break
                 nxt = None
+                last_sent = time.perf_counter()
                 if t_first is None:
-                    t_first = time.perf_counter()
+                    t_first = last_sent
                 for delta in self._accept(out):
                     yield delta
                 if out.finished:

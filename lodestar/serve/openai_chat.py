@@ -12,15 +12,15 @@ from starlette.concurrency import run_in_threadpool
 
 from lodestar.serve.chat_prompt import render_chat
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
-from lodestar.serve.generation import (Generation, GenerationSpec, Result, TokenLogprob, build_params,
-                                       check_logit_bias, resolve_max_tokens, run_all, stream_all)
+from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, TokenLogprob,
+                                       build_params, check_logit_bias, resolve_max_tokens, run_all, stream_all)
 from lodestar.serve.protocol import ChatCompletionRequest, ContentPart, NamedToolChoice
 from lodestar.serve.sse import DONE, KEEPALIVE, SSEResponse, sse_data
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
 
 router = APIRouter(tags=["OpenAI"])
 
-EFFORT_THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+EFFORT_THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
 
 
 def new_call_id() -> str:
@@ -62,6 +62,22 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+def chat_tools(body: ChatCompletionRequest, warnings: RequestWarnings) -> list[dict] | None:
+    """The request's function tools; other types (``custom``, hosted tools) cannot be run here and are
+    dropped with a warning rather than refused, so a client that declares them still works."""
+    if not body.tools:
+        return None
+    tools = []
+    for i, t in enumerate(body.tools):
+        if t.type != "function":
+            warnings.add(f"tools[{i}] of type {t.type!r} dropped: this server offers function tools only")
+            continue
+        if t.function is None:
+            raise APIError(400, f"tools[{i}].function is required for a function tool", param=f"tools[{i}].function")
+        tools.append({"type": "function", "function": t.function.model_dump(exclude_none=True)})
+    return tools
+
+
 def select_tools(tools: list[dict] | None, tool_choice, field: str = "tool_choice"
                  ) -> tuple[list[dict] | None, frozenset[str] | None]:
     """(tools for the prompt, names to parse) in OpenAI function-tool shape; tool_choice "none" drops them.
@@ -91,15 +107,14 @@ def thinking_flag(effort: str | None, template_kwargs: dict | None) -> bool | No
 CHAT_FIELDS = {"logprobs": "top_logprobs", "repetition_penalty": "repetition_penalty"}
 
 
-def prepare(state: ServeState, body: ChatCompletionRequest) -> tuple[list[GenerationSpec], str]:
-    """Validate and render a chat request into one engine spec per choice; also the max-tokens field name."""
+def prepare(state: ServeState, body: ChatCompletionRequest, warnings: RequestWarnings) -> list[GenerationSpec]:
+    """Validate and render a chat request into one engine spec per choice."""
     state.check_model(body.model)
     state.check_rows(body.n, "n")
     if body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, f"response_format {body.response_format.type!r} is not supported yet (no constrained "
                             "decoding); ask for JSON in the prompt instead", param="response_format")
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    tools, names = select_tools(tools, body.tool_choice)
+    tools, names = select_tools(chat_tools(body, warnings), body.tool_choice)
     prompt = render_chat(state.tokenizer, chat_messages(body), tools,
                          enable_thinking=thinking_flag(body.reasoning_effort, body.chat_template_kwargs),
                          template_kwargs=body.chat_template_kwargs,
@@ -107,9 +122,10 @@ def prepare(state: ServeState, body: ChatCompletionRequest) -> tuple[list[Genera
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
-        max_tokens = resolve_max_tokens(state, len(prompt.ids), requested, body.n)
+        max_tokens = resolve_max_tokens(state, len(prompt.ids), requested, body.n, warnings=warnings,
+                                        max_field=max_field)
     except Exception as e:
-        raise as_api_error(e, max_field) from None
+        raise as_api_error(e) from None
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = build_params(
         {**CHAT_FIELDS, "max_tokens": max_field},
@@ -121,7 +137,7 @@ def prepare(state: ServeState, body: ChatCompletionRequest) -> tuple[list[Genera
         logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     specs = [GenerationSpec(prompt.ids, params if body.seed is None else replace(params, seed=body.seed + i),
                             names, prompt.in_reasoning) for i in range(body.n)]
-    return specs, max_field
+    return specs
 
 
 # -- engine results -> wire ----------------------------------------------------------------
@@ -207,17 +223,19 @@ async def stream_chat(state: ServeState, path: str, model: str, gens: list[Gener
 @router.post("/v1/chat/completions", summary="Create a chat completion (OpenAI)")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
-    specs, max_field = await run_in_threadpool(prepare, state, body)   # tokenizing can take seconds
+    warnings = RequestWarnings()
+    specs = await run_in_threadpool(prepare, state, body, warnings)   # tokenizing can take seconds
     if body.stream:
         gens = [Generation(state, s, stream=True, keepalive_s=state.config.keepalive_s) for s in specs]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(stream_chat(state, request.url.path, body.model, gens, body.logprobs, include_usage))
+        return SSEResponse(stream_chat(state, request.url.path, body.model, gens, body.logprobs, include_usage),
+                           headers=warnings.headers())
     gens = [Generation(state, s, stream=False) for s in specs]
     try:
         results = await until_disconnect(request, run_all(gens))
     except ClientDisconnected:
         raise
     except Exception as e:
-        raise as_api_error(e, max_field) from None
-    return JSONResponse(chat_response(state, body.model, results, body.logprobs))
+        raise as_api_error(e) from None
+    return JSONResponse(chat_response(state, body.model, results, body.logprobs), headers=warnings.headers())
 

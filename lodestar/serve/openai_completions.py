@@ -10,8 +10,9 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
-from lodestar.serve.generation import (Generation, GenerationSpec, Result, TokenLogprob, build_params,
-                                       check_logit_bias, check_prompt_ids, resolve_max_tokens, run_all, stream_all)
+from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, TokenLogprob,
+                                       build_params, check_logit_bias, check_prompt_ids, resolve_max_tokens, run_all,
+                                       stream_all)
 from lodestar.serve.protocol import CompletionRequest
 from lodestar.serve.sse import DONE, KEEPALIVE, SSEResponse, sse_data
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
@@ -81,9 +82,12 @@ async def create_completion(body: CompletionRequest, request: Request):
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     bias = check_logit_bias(body.logit_bias, state.tokenizer.vocab_size)
     specs = []
+    warnings = RequestWarnings()
     try:
-        for ids in prompts:
-            max_tokens = resolve_max_tokens(state, len(ids), body.max_tokens, n * len(prompts))
+        for i, ids in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            max_tokens = resolve_max_tokens(state, len(ids), body.max_tokens, n * len(prompts), warnings=warnings,
+                                            prompt_field=where)
             params = build_params(
                 {}, temperature=body.temperature, top_p=body.top_p,
                 top_k=max(body.top_k, 0) if body.top_k is not None else None, min_p=body.min_p,
@@ -96,7 +100,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     except APIError:
         raise
     except Exception as e:
-        raise as_api_error(e) from None
+        raise as_api_error(e, "prompt") from None
     echoes = [state.tokenizer.decode(ids, skip_special_tokens=True) if body.echo else "" for ids in prompts]
     echo_pieces = [[state.tokenizer.decode([t]) for t in ids] for ids in prompts] if body.echo else None
 
@@ -107,14 +111,14 @@ async def create_completion(body: CompletionRequest, request: Request):
         gens = [Generation(state, s, stream=True, keepalive_s=state.config.keepalive_s) for s in specs]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_stream(state, request.url.path, model, gens, prompts, echoes, echo_pieces,
-                                   body.logprobs is not None, include_usage, prompt_of))
+                                   body.logprobs is not None, include_usage, prompt_of), headers=warnings.headers())
     gens = [Generation(state, s, stream=False) for s in specs]
     try:
         results = await until_disconnect(request, run_all(gens))
     except ClientDisconnected:
         raise
     except Exception as e:
-        raise as_api_error(e) from None
+        raise as_api_error(e, "prompt") from None
     choices = []
     for i, r in enumerate(results):
         p = prompt_of(i)
@@ -124,7 +128,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         choices.append({"index": i, "text": echoes[p] + r.content, "logprobs": lp, "finish_reason": r.finish_reason})
     return JSONResponse({"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
                          "model": model, "system_fingerprint": None, "choices": choices,
-                         "usage": completion_usage(prompts, results, n)})
+                         "usage": completion_usage(prompts, results, n)}, headers=warnings.headers())
 
 
 async def _stream(state: ServeState, path: str, model: str, gens: list[Generation], prompts, echoes, echo_pieces,

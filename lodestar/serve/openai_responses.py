@@ -2,11 +2,16 @@
 
 The server keeps no state: ``previous_response_id`` is refused, so clients send the whole
 conversation (messages, ``function_call`` and ``function_call_output`` items) each time.
+Function tools, freeform ``custom`` tools (called with one ``input`` string) and the tools
+of ``namespace`` groups (their calls carry the namespace back) reach the model as function
+tools; hosted tools and input items the server cannot use are left out with a warning.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -14,7 +19,8 @@ from starlette.concurrency import run_in_threadpool
 
 from lodestar.serve.chat_prompt import render_chat
 from lodestar.serve.errors import APIError, as_api_error
-from lodestar.serve.generation import Generation, GenerationSpec, Result, build_params, resolve_max_tokens
+from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, build_params,
+                                       resolve_max_tokens)
 from lodestar.serve.openai_chat import EFFORT_THINKING, logprob_entries, new_call_id, select_tools
 from lodestar.serve.protocol import ResponsesRequest
 from lodestar.serve.sse import KEEPALIVE, SSEResponse, sse_event
@@ -48,13 +54,137 @@ def _text(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(body: ResponsesRequest) -> list[dict]:
+@dataclass(frozen=True)
+class ToolOrigin:
+    """The client's tool behind a name in the prompt."""
+
+    name: str
+    namespace: str | None = None       # a tool of a ``namespace`` group: its calls carry the namespace
+    custom: bool = False               # a freeform tool: its calls carry one string, ``input``
+
+
+@dataclass
+class ResponseTools:
+    """The request's tools as function tools for the prompt, and where each came from."""
+
+    tools: list[dict] = field(default_factory=list)
+    origins: dict[str, ToolOrigin] = field(default_factory=dict)   # prompt name -> the client's tool
+
+    def prompt_name(self, name: str, namespace: str | None = None) -> str:
+        """The prompt's name for the client's tool ``name`` (in ``namespace``)."""
+        for prompt, origin in self.origins.items():
+            if origin.name == name and origin.namespace == namespace:
+                return prompt
+        return name
+
+    def origin(self, prompt_name: str) -> ToolOrigin:
+        return self.origins.get(prompt_name) or ToolOrigin(prompt_name)
+
+
+CUSTOM_INPUT_SCHEMA = {"type": "object", "required": ["input"], "properties": {
+    "input": {"type": "string", "description": "The tool's whole input as plain text (not JSON)."}}}
+
+
+def _add_tool(out: ResponseTools, t: dict, where: str, warnings: RequestWarnings, namespace: str | None = None,
+              custom: bool = False) -> None:
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise APIError(400, f"{where}.name is required (a non-empty string)", param=f"{where}.name")
+    description = t.get("description") or ""
+    if custom:
+        fmt = t.get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+            description += f"\n\nThe input follows this {fmt.get('syntax') or ''} grammar:\n{fmt['definition']}"
+        params = CUSTOM_INPUT_SCHEMA
+    else:
+        params = t.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise APIError(400, f"{where}.parameters must be a JSON schema object", param=f"{where}.parameters")
+    prompt = name
+    if prompt in out.origins and namespace:
+        prompt = f"{namespace}.{name}"        # the same name in two namespaces
+    if prompt in out.origins:
+        warnings.add(f"{where} ({name!r}) dropped: an earlier tool has the same name")
+        return
+    out.origins[prompt] = ToolOrigin(name, namespace, custom)
+    out.tools.append({"type": "function", "function": {"name": prompt, "description": description,
+                                                       "parameters": params or {}}})
+
+
+def response_tools(body: ResponsesRequest, warnings: RequestWarnings) -> ResponseTools:
+    """Function and custom tools, and those of ``namespace`` groups, become prompt tools; hosted tools
+    (web search, file search, code interpreter, computer use, MCP ...) cannot run here and are
+    dropped with a warning, so a client that declares them still works."""
+    out = ResponseTools()
+    for i, t in enumerate(body.tools or ()):
+        kind, where = t.get("type"), f"tools[{i}]"
+        if kind in ("function", "custom"):
+            _add_tool(out, t, where, warnings, custom=kind == "custom")
+        elif kind == "namespace":
+            namespace, members = t.get("name"), t.get("tools")
+            if not isinstance(namespace, str) or not namespace or not isinstance(members, list):
+                raise APIError(400, f"{where}: a namespace tool needs a name and a list of tools", param=where)
+            for j, member in enumerate(members):
+                at = f"{where}.tools[{j}]"
+                member_kind = member.get("type", "function") if isinstance(member, dict) else None
+                if member_kind in ("function", "custom"):
+                    _add_tool(out, member, at, warnings, namespace, custom=member_kind == "custom")
+                elif isinstance(member, dict) and isinstance(member_kind, str):
+                    warnings.add(f"{at} of type {member_kind!r} dropped: this server runs function tools only")
+                else:
+                    raise APIError(400, f"{at} must be a function or custom tool", param=at)
+        elif isinstance(kind, str) and kind:
+            warnings.add(f"{where} of type {kind!r} dropped: hosted tools do not run on this server")
+        else:
+            raise APIError(400, f"{where}.type is required (function, custom, namespace or a hosted tool type)",
+                           param=f"{where}.type")
+    return out
+
+
+def _tool_choice(choice, tools: ResponseTools, warnings: RequestWarnings) -> tuple[list[dict], object]:
+    """(the prompt tools it allows, the choice in select_tools' terms)."""
+    if not isinstance(choice, dict):
+        return tools.tools, choice
+    kind = choice.get("type")
+    if kind in ("function", "custom"):
+        if not isinstance(choice.get("name"), str):
+            raise APIError(400, f"tool_choice of type {kind} needs a name", param="tool_choice.name")
+        return tools.tools, {"name": tools.prompt_name(choice["name"], choice.get("namespace"))}
+    if kind == "allowed_tools":
+        allowed, mode = choice.get("tools"), choice.get("mode", "auto")
+        if not isinstance(allowed, list) or mode not in ("auto", "required"):
+            raise APIError(400, "tool_choice allowed_tools needs a list of tools and mode auto or required",
+                           param="tool_choice")
+        names = {tools.prompt_name(a["name"], a.get("namespace")) for a in allowed
+                 if isinstance(a, dict) and isinstance(a.get("name"), str)}
+        return [t for t in tools.tools if t["function"]["name"] in names], mode
+    if isinstance(kind, str) and kind:
+        warnings.add(f"tool_choice of type {kind!r} ignored (its tool does not run on this server); using auto")
+        return tools.tools, "auto"
+    raise APIError(400, "tool_choice must be none, auto, required or an object with a type", param="tool_choice")
+
+
+def input_messages(body: ResponsesRequest, tools: ResponseTools, warnings: RequestWarnings) -> list[dict]:
     messages: list[dict] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         return messages + [{"role": "user", "content": body.input}]
     reasoning: list[str] = []
+
+    def add_call(call_id, name: str, arguments: str) -> None:
+        nonlocal reasoning
+        call = {"id": str(call_id or new_call_id()), "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+            return
+        msg = {"role": "assistant", "content": None, "tool_calls": [call]}
+        if reasoning:
+            msg["reasoning_content"], reasoning = "\n".join(reasoning), []
+        messages.append(msg)
+
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -72,57 +202,32 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
             if not isinstance(name, str) or not isinstance(args, str):
                 raise APIError(400, f"{where}: a function_call needs a string name and string arguments",
                                param=where)
-            call = {"id": str(item.get("call_id") or new_call_id()), "type": "function",
-                    "function": {"name": name, "arguments": args}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            elif last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
-                last["tool_calls"] = [call]
-            else:
-                msg = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if reasoning:
-                    msg["reasoning_content"], reasoning = "\n".join(reasoning), []
-                messages.append(msg)
-        elif kind == "function_call_output":
-            output = item.get("output", "")
+            add_call(item.get("call_id"), tools.prompt_name(name, item.get("namespace")), args)
+        elif kind == "custom_tool_call":
+            name, text = item.get("name"), item.get("input", "")
+            if not isinstance(name, str) or not isinstance(text, str):
+                raise APIError(400, f"{where}: a custom_tool_call needs a string name and string input", param=where)
+            add_call(item.get("call_id"), tools.prompt_name(name, item.get("namespace")),
+                     json.dumps({"input": text}, ensure_ascii=False))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                             "content": _text(output, f"{where}.output")})
+                             "content": _text(item.get("output", ""), f"{where}.output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            reasoning.append(_text(parts, f"{where}.content"))
+            text = _text(parts, f"{where}.content")
+            if text:                       # encrypted_content alone: nothing this server can read
+                reasoning.append(text)
+        elif kind == "item_reference":
+            raise APIError(400, f"{where}: item_reference is not supported: this server stores no items; send "
+                                "the items themselves", param=f"{where}.type")
+        elif isinstance(kind, str):
+            # web_search_call, local_shell_call, compaction ...: output of tools that do not run here
+            warnings.add(f"{where} of type {kind!r} left out of the prompt: this server cannot read it")
         else:
-            raise APIError(400, f"{where}: input items of type {kind!r} are not supported (this server stores "
-                                "nothing; send messages, function_call and function_call_output items)",
-                           param=f"{where}.type")
+            raise APIError(400, f"{where}.type must be a string", param=f"{where}.type")
     if not messages:
         raise APIError(400, "input must contain at least one message", param="input")
     return messages
-
-
-def function_tools(body: ResponsesRequest) -> list[dict] | None:
-    if not body.tools:
-        return None
-    tools = []
-    for i, t in enumerate(body.tools):
-        if t.get("type") != "function" or not isinstance(t.get("name"), str) or not t["name"]:
-            raise APIError(400, f"tools[{i}]: only function tools with a name are supported, got type "
-                                f"{t.get('type')!r}", param=f"tools[{i}]")
-        params = t.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise APIError(400, f"tools[{i}].parameters must be a JSON schema object", param=f"tools[{i}].parameters")
-        fn = {"name": t["name"], "description": t.get("description") or "", "parameters": params or {}}
-        tools.append({"type": "function", "function": fn})
-    return tools
-
-
-def _tool_choice(choice):
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise APIError(400, "tool_choice must be none, auto, required or {type: function, name}",
-                           param="tool_choice")
-        return {"name": choice["name"]}
-    return choice
 
 
 # -- engine results -> wire ----------------------------------------------------------------
@@ -148,9 +253,31 @@ def _message_item(item_id: str, text: str | None, status: str, logprobs: list | 
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+def _custom_input(arguments: str) -> str:
+    """A freeform tool's input from the function-call arguments the model wrote (``{"input": ...}``)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(value, dict):
+        if isinstance(value.get("input"), str):
+            return value["input"]
+        texts = [v for v in value.values() if isinstance(v, str)]
+        if len(value) == 1 and texts:
+            return texts[0]
+    return arguments
+
+
+def _call_item(item_id: str, call_id: str, origin: ToolOrigin, arguments: str, status: str) -> dict:
+    if origin.custom:
+        item = {"id": item_id, "type": "custom_tool_call", "call_id": call_id, "name": origin.name,
+                "input": _custom_input(arguments) if arguments else "", "status": status}
+    else:
+        item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": origin.name,
+                "arguments": arguments, "status": status}
+    if origin.namespace:
+        item["namespace"] = origin.namespace
+    return item
 
 
 class _Envelope:
@@ -180,7 +307,8 @@ def _status(r: Result) -> tuple[str, str | None]:
     return ("incomplete", "max_output_tokens") if r.finish_reason == "length" else ("completed", None)
 
 
-def response_object(state: ServeState, env: _Envelope, r: Result, want_logprobs: bool) -> dict:
+def response_object(state: ServeState, env: _Envelope, r: Result, want_logprobs: bool, tools: ResponseTools
+                    ) -> dict:
     output = []
     if r.reasoning:
         output.append(_reasoning_item(_id("rs"), r.reasoning))
@@ -190,15 +318,17 @@ def response_object(state: ServeState, env: _Envelope, r: Result, want_logprobs:
         lp = logprob_entries(r.logprobs) if want_logprobs else None
         output.append(_message_item(_id("msg"), r.content, status, lp))
     for c in r.tool_calls:
-        output.append(_call_item(_id("fc"), new_call_id(), c.name, c.arguments, "completed"))
+        origin = tools.origin(c.name)
+        output.append(_call_item(_id("ctc" if origin.custom else "fc"), new_call_id(), origin, c.arguments,
+                                 "completed"))
     return env.response(status, output, _usage(state, r), reason)
 
 
 class _EventWriter:
     """Builds the Responses event chain: items open and close as the kind of output changes."""
 
-    def __init__(self, state: ServeState, env: _Envelope, want_logprobs: bool) -> None:
-        self.state, self.env, self.want_logprobs = state, env, want_logprobs
+    def __init__(self, state: ServeState, env: _Envelope, want_logprobs: bool, tools: ResponseTools) -> None:
+        self.state, self.env, self.want_logprobs, self.tools = state, env, want_logprobs, tools
         self.seq = 0
         self.output: list[dict] = []
         self.kind: str | None = None     # reasoning | message | call
@@ -250,9 +380,17 @@ class _EventWriter:
             self.output.append(item)
         elif self.kind == "call":
             c = self.call
-            item = _call_item(self.item_id, c["call_id"], c["name"], c["arguments"], "completed")
-            out.append(self.event("response.function_call_arguments.done", item_id=self.item_id,
-                                  output_index=index, name=c["name"], arguments=c["arguments"]))
+            origin: ToolOrigin = c["origin"]
+            item = _call_item(self.item_id, c["call_id"], origin, c["arguments"], "completed")
+            if origin.custom:             # the input is known once the arguments close
+                if item["input"]:
+                    out.append(self.event("response.custom_tool_call_input.delta", item_id=self.item_id,
+                                          output_index=index, delta=item["input"]))
+                out.append(self.event("response.custom_tool_call_input.done", item_id=self.item_id,
+                                      output_index=index, input=item["input"]))
+            else:
+                out.append(self.event("response.function_call_arguments.done", item_id=self.item_id,
+                                      output_index=index, name=origin.name, arguments=c["arguments"]))
             out.append(self.event("response.output_item.done", output_index=index, item=item))
             self.output.append(item)
         self.kind = None
@@ -282,12 +420,17 @@ class _EventWriter:
         if d.kind == "tool_start":
             out = self._open("call")
             index = len(self.output)
-            self.call = {"call_id": new_call_id(), "name": d.name, "arguments": ""}
+            origin = self.tools.origin(d.name)
+            if origin.custom:
+                self.item_id = _id("ctc")
+            self.call = {"call_id": new_call_id(), "origin": origin, "arguments": ""}
             out.append(self.event("response.output_item.added", output_index=index,
-                                  item=_call_item(self.item_id, self.call["call_id"], d.name, "", "in_progress")))
+                                  item=_call_item(self.item_id, self.call["call_id"], origin, "", "in_progress")))
             return out
         if d.kind == "tool_args" and self.kind == "call":
             self.call["arguments"] += d.text
+            if self.call["origin"].custom:
+                return []
             return [self.event("response.function_call_arguments.delta", item_id=self.item_id,
                                output_index=index, delta=d.text)]
         if d.kind == "tool_end":
@@ -295,32 +438,39 @@ class _EventWriter:
         return []
 
 
-def prepare(state: ServeState, body: ResponsesRequest) -> GenerationSpec:
+def prepare(state: ServeState, body: ResponsesRequest, warnings: RequestWarnings
+            ) -> tuple[GenerationSpec, ResponseTools]:
     state.check_model(body.model)
     if body.previous_response_id:
         raise APIError(400, "previous_response_id is not supported: this server stores no responses; send the "
                             "whole conversation in input", param="previous_response_id")
+    if body.conversation:
+        raise APIError(400, "conversation is not supported: this server stores no conversations; send the "
+                            "whole conversation in input", param="conversation")
     fmt = (body.text or {}).get("format") or {}
     if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
         raise APIError(400, f"text.format {fmt.get('type')!r} is not supported yet (no constrained decoding)",
                        param="text.format")
-    tools, names = select_tools(function_tools(body), _tool_choice(body.tool_choice))
+    tools = response_tools(body, warnings)
+    allowed, choice = _tool_choice(body.tool_choice, tools, warnings)
+    prompt_tools, names = select_tools(allowed, choice)
     effort = body.reasoning.effort if body.reasoning else None
-    prompt = render_chat(state.tokenizer, input_messages(body), tools,
+    prompt = render_chat(state.tokenizer, input_messages(body, tools, warnings), prompt_tools,
                          enable_thinking=EFFORT_THINKING.get(effort) if effort else None,
                          check_text=lambda text: state.check_prompt_text(text, "input"))
     try:
-        max_tokens = resolve_max_tokens(state, len(prompt.ids), body.max_output_tokens)
+        max_tokens = resolve_max_tokens(state, len(prompt.ids), body.max_output_tokens, warnings=warnings,
+                                        max_field="max_output_tokens", prompt_field="input")
     except Exception as e:
-        raise as_api_error(e, "max_output_tokens") from None
+        raise as_api_error(e, "input") from None
     params = build_params({"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
                           temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
                           stop=prompt.stop or None, logprobs=body.top_logprobs)
-    return GenerationSpec(prompt.ids, params, names, prompt.in_reasoning)
+    return GenerationSpec(prompt.ids, params, names, prompt.in_reasoning), tools
 
 
-async def _stream(state: ServeState, env: _Envelope, gen: Generation, want_logprobs: bool):
-    w = _EventWriter(state, env, want_logprobs)
+async def _stream(state: ServeState, env: _Envelope, gen: Generation, want_logprobs: bool, tools: ResponseTools):
+    w = _EventWriter(state, env, want_logprobs, tools)
     yield w.event("response.created", response=env.response("in_progress", []))
     yield w.event("response.in_progress", response=env.response("in_progress", []))
     try:
@@ -331,7 +481,7 @@ async def _stream(state: ServeState, env: _Envelope, gen: Generation, want_logpr
             for chunk in w.delta(d):
                 yield chunk
     except Exception as e:
-        err = as_api_error(e, "max_output_tokens")
+        err = as_api_error(e, "input")
         code = err.code or ("server_error" if err.status >= 500 else "invalid_request")
         yield w.event("error", code=code, message=err.message, param=err.param)
         failed = env.response("failed", w.output)
@@ -348,18 +498,18 @@ async def _stream(state: ServeState, env: _Envelope, gen: Generation, want_logpr
 @router.post("/v1/responses", summary="Create a model response (OpenAI Responses)")
 async def create_response(body: ResponsesRequest, request: Request):
     state = get_state(request)
-    spec = await run_in_threadpool(prepare, state, body)   # tokenizing can take seconds
+    warnings = RequestWarnings()
+    spec, tools = await run_in_threadpool(prepare, state, body, warnings)   # tokenizing can take seconds
     env = _Envelope(body, body.model)
     want_logprobs = body.top_logprobs is not None
     if body.stream:
         gen = Generation(state, spec, stream=True, keepalive_s=state.config.keepalive_s)
-        return SSEResponse(_stream(state, env, gen, want_logprobs))
+        return SSEResponse(_stream(state, env, gen, want_logprobs, tools), headers=warnings.headers())
     gen = Generation(state, spec, stream=False)
     try:
         result = await until_disconnect(request, gen.run())
     except ClientDisconnected:
         raise
     except Exception as e:
-        raise as_api_error(e, "max_output_tokens") from None
-    return JSONResponse(response_object(state, env, result, want_logprobs))
-
+        raise as_api_error(e, "input") from None
+    return JSONResponse(response_object(state, env, result, want_logprobs, tools), headers=warnings.headers())

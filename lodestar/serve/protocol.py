@@ -17,6 +17,7 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 Stop = Union[StopString, StopList, None]
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class _Open(BaseModel):
@@ -57,8 +58,10 @@ class FunctionDef(_Open):
 
 
 class ToolDef(_Open):
-    type: Literal["function"] = "function"
-    function: FunctionDef
+    """A function tool; other types (``custom``, hosted tools) are dropped with a warning."""
+
+    type: str = "function"
+    function: FunctionDef | None = None
 
 
 class NamedFunction(_Open):
@@ -108,7 +111,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Effort | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -125,7 +128,7 @@ class CompletionRequest(SamplingFields):
 
 # -- OpenAI responses ----------------------------------------------------------------------
 class ReasoningConfig(_Open):
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: Effort | None = None
     summary: str | None = None
 
 
@@ -144,6 +147,7 @@ class ResponsesRequest(_Open):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -151,7 +155,8 @@ class ResponsesRequest(_Open):
 
 # -- Anthropic messages --------------------------------------------------------------------
 class AnthropicMessage(_Open):
-    role: Literal["user", "assistant"]
+    # system / developer messages (Claude Code sends them) are folded into the system prompt
+    role: Literal["user", "assistant", "system", "developer"]
     content: str | list[dict[str, Any]]
 
 

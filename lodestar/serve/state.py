@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from lodestar.serve.errors import APIError
+from lodestar.serve.errors import APIError, context_fix
 from lodestar.serve.metrics import Metrics
 from lodestar.serve.reasoning import THINK_END, THINK_START
 from lodestar.serve.tool_parsers import MARKUP_TOKENS
@@ -52,6 +52,15 @@ class ServeState:
     def model_id(self) -> str:
         return self.config.model_names[0]
 
+    @property
+    def trained_context(self) -> int | None:
+        """The context the model file declares (``--ctx`` can go up to it), when the engine knows it."""
+        value = getattr(self.engine, "trained_context", None)
+        if value is None:
+            loaded = getattr(getattr(self.engine, "engine", None), "loaded", None)
+            value = getattr(getattr(loaded, "config", None), "context_length", None)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
     @cached_property
     def max_token_bytes(self) -> int:
         """The most bytes of text one token can stand for: a prompt longer than this many
@@ -67,7 +76,8 @@ class ServeState:
         context = self.engine.max_model_len
         if least >= context:
             raise APIError(400, f"The prompt is {size:,} bytes of text, at least {least:,} tokens, and this model's "
-                                f"maximum context length is {context:,} tokens. Shorten the prompt.",
+                                f"maximum context length is {context:,} tokens. "
+                                f"{context_fix(least, self.trained_context)}",
                            param=field_name, code="context_length_exceeded")
 
     def check_rows(self, rows: int, field_name: str) -> None:

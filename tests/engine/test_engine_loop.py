@@ -3,6 +3,7 @@
 Run on both weight paths: packed (the default) and fp32.
 """
 import json
+import re
 import random
 from pathlib import Path
 
@@ -140,3 +141,16 @@ def test_block_pool_lru_eviction_keeps_prefix_order():
     pool.free(blocks)
     pool.allocate(2)                               # the empty block, then the chain's tail
     assert pool.lookup(hashes) == blocks[:2]
+
+
+def test_a_long_prefill_logs_its_progress(smollm_path, caplog, monkeypatch):
+    monkeypatch.setattr("lodestar.engine.llm_engine.PREFILL_LOG_S", 0.0)    # a line for every chunk
+    e = _engine("packed", max_num_batched_tokens=32)
+    caplog.set_level("INFO", logger="lodestar.engine")
+    prompt = CASES["chat_code"]["prompt_ids"] * 3
+    e.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    lines = [r.getMessage() for r in caplog.records if r.name == "lodestar.engine"]
+    done = [int(m.group(1)) for m in map(re.compile(r"request \d+: prefill (\d+)/(\d+) prompt tokens").match, lines) if m]
+    assert done == list(range(32, len(prompt), 32))
+    assert re.match(rf"request \d+: prefill done, {len(prompt)} prompt tokens \(0 from the prefix cache\) in ", lines[-1])
+    assert len(lines) == len(done) + 1          # decode steps are not prefill

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from lodestar.engine.llm_engine import EngineConfig, LLMEngine
 from lodestar.engine.loader import load_model

@@ -132,11 +132,12 @@ def test_errors_are_typed_in_both_sdks(oai, ant):
     with pytest.raises(openai.NotFoundError) as e:
         oai.chat.completions.create(model="gpt-4o", messages=HI)
     assert e.value.body["code"] == "model_not_found"
+    too_long = [{"role": "user", "content": "word " * 3000}]
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=5000)
-    assert e.value.body["code"] == "context_length_exceeded"
-    assert re.search(r"maximum context length is 2048 tokens.*requested \d+ tokens \(\d+ in the prompt, 5000 for "
-                     r"the completion\)", e.value.message)
+        oai.chat.completions.create(model=MODEL, messages=too_long, max_tokens=5)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+    assert re.search(r"maximum context length is 2048 tokens, but the prompt has \d+ tokens.*"
+                     r"`lodestar serve --ctx \d+`; this model supports up to 8192", e.value.message)
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=MODEL, prompt=[1, 2, 999_999], max_tokens=2)
     assert "outside the vocabulary" in e.value.message
@@ -149,8 +150,8 @@ def test_errors_are_typed_in_both_sdks(oai, ant):
     with pytest.raises(anthropic.NotFoundError):
         ant.messages.create(model="not-a-served-model", max_tokens=5, messages=HI)
     with pytest.raises(anthropic.BadRequestError) as e:
-        ant.messages.create(model=MODEL, max_tokens=4000, messages=HI)
-    assert "4000 for the completion" in e.value.message
+        ant.messages.create(model=MODEL, max_tokens=4000, messages=too_long)
+    assert re.match(r"prompt is too long: \d+ tokens > 2048 maximum", e.value.body["error"]["message"])
 
 
 def test_disconnect_aborts_streaming_request_and_frees_kv(oai, real_engine):
