@@ -332,6 +332,34 @@ def _bind(host: str, port: int):
     return sock
 
 
+SAMPLING_KEYS = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p",
+                 "top_k": "general.sampling.top_k"}
+
+
+def _metadata(loaded) -> dict:
+    md = getattr(loaded.file, "metadata", None)
+    return md if isinstance(md, dict) else {}
+
+
+def sampling_defaults(a: argparse.Namespace, metadata: dict) -> dict:
+    """What a request that leaves temperature/top_p/top_k out gets: the flag, else the model file's
+    recommendation (``general.sampling.*``), else nothing (the API defaults)."""
+    out = {}
+    for name, key in SAMPLING_KEYS.items():
+        value = getattr(a, name, None)
+        if value is None and isinstance(metadata.get(key), (int, float)) and not isinstance(metadata.get(key), bool):
+            value = metadata[key]
+        if value is not None:
+            out[name] = int(value) if name == "top_k" else float(value)
+    limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+    for name, (lo, hi) in limits.items():
+        if name in out and not lo <= out[name] <= hi:
+            raise CLIError(f"--{name.replace('_', '-')} {out[name]}: must be between {lo} and {hi}")
+    if out.get("top_k", 0) < 0:
+        raise CLIError(f"--top-k {out['top_k']}: must be 0 (off) or more")
+    return out
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     api_key = a.api_key or os.environ.get("LODESTAR_API_KEY") or None
     if not _is_loopback(a.host) and not api_key:
@@ -367,7 +395,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     aeng = AsyncLLMEngine(build_engine, max_queued=a.max_queued)
     loaded = aeng.engine.loaded
     names = _served_names(a, loaded.path)
-    config = ServeConfig(model_names=names, api_key=api_key, cors_origins=tuple(a.cors), keepalive_s=a.keepalive)
+    config = ServeConfig(model_names=names, api_key=api_key, cors_origins=tuple(a.cors), keepalive_s=a.keepalive,
+                         sampling_defaults=sampling_defaults(a, _metadata(loaded)))
     app = build_app(aeng, config)
     host = f"[{a.host.strip('[]')}]" if ":" in a.host else a.host
     url = f"http://{host}:{sock.getsockname()[1]}"
@@ -464,6 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow browser requests from ORIGIN (repeatable; '*' for any); off by default")
     s.add_argument("--max-queued", type=int, default=256, help="waiting requests before 503 (default 256)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (default 16)")
+    s.add_argument("--temperature", type=float, default=None,
+                   help="temperature for requests that set none (default: the model file's general.sampling.temp, "
+                        "else the API default 1.0); coding clients send none, and small models want a low one")
+    s.add_argument("--top-p", type=float, default=None,
+                   help="top-p for requests that set none (default: the model file's general.sampling.top_p, else 1.0)")
+    s.add_argument("--top-k", type=int, default=None,
+                   help="top-k for requests that set none (default: the model file's general.sampling.top_k, else off)")
     s.add_argument("--keepalive", type=float, default=2.0,
                    help="seconds between SSE keep-alive comments while no token arrives (default 2)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -25,7 +25,7 @@ from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnin
                                        resolve_max_tokens)
 from lodestar.serve.openai_chat import select_tools
 from lodestar.serve.protocol import AnthropicMessage, MessagesCountRequest, MessagesRequest
-from lodestar.serve.sse import KEEPALIVE, SSEResponse, sse_event
+from lodestar.serve.sse import SSEResponse, sse_event
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
 
 router = APIRouter(tags=["Anthropic"])
@@ -265,8 +265,8 @@ async def _stream(path: str, model: str, gen: Generation, user_stops: list[str])
     w = _BlockWriter()
     try:
         async for d in gen.events():
-            if d.kind == "keepalive":
-                yield KEEPALIVE
+            if d.kind == "keepalive":      # the API's own ping event: a client's idle timer may count events only
+                yield sse_event("ping", {"type": "ping"})
                 continue
             for chunk in w.delta(d):
                 yield chunk
@@ -299,7 +299,7 @@ async def create_message(body: MessagesRequest, request: Request):
                                         anthropic=True)
     except Exception as e:
         raise as_api_error(e, anthropic=True) from None
-    params = build_params(ANTHROPIC_FIELDS, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+    params = build_params(ANTHROPIC_FIELDS, state.config.sampling_defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           max_tokens=max_tokens, stop=user_stops + prompt.stop or None)
     spec = GenerationSpec(prompt.ids, params, names, prompt.in_reasoning)
     if body.stream:

@@ -104,9 +104,12 @@ class GenerationSpec:
     parse_reasoning: bool = True
 
 
-def build_params(fields: dict[str, str], **values: Any) -> SamplingParams:
-    """SamplingParams from request values (None = default); ``fields`` maps engine to API field names."""
+def build_params(fields: dict[str, str], defaults: dict[str, Any] | None = None, **values: Any) -> SamplingParams:
+    """SamplingParams from request values (None = the server's ``defaults``, else the engine's);
+    ``fields`` maps engine to API field names."""
     kwargs = {k: v for k, v in values.items() if v is not None}
+    for k, v in (defaults or {}).items():
+        kwargs.setdefault(k, v)
     if kwargs.get("stop"):
         # The server strips the stop string itself, so it knows which one matched.
         kwargs["include_stop_str_in_output"] = True

@@ -128,7 +128,7 @@ def prepare(state: ServeState, body: ChatCompletionRequest, warnings: RequestWar
         raise as_api_error(e) from None
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = build_params(
-        {**CHAT_FIELDS, "max_tokens": max_field},
+        {**CHAT_FIELDS, "max_tokens": max_field}, state.config.sampling_defaults,
         temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0) if body.top_k is not None else None,
         min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,

@@ -89,7 +89,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             max_tokens = resolve_max_tokens(state, len(ids), body.max_tokens, n * len(prompts), warnings=warnings,
                                             prompt_field=where)
             params = build_params(
-                {}, temperature=body.temperature, top_p=body.top_p,
+                {}, state.config.sampling_defaults, temperature=body.temperature, top_p=body.top_p,
                 top_k=max(body.top_k, 0) if body.top_k is not None else None, min_p=body.min_p,
                 repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logit_bias=bias, seed=body.seed, max_tokens=max_tokens,

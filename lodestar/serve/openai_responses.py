@@ -23,7 +23,7 @@ from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnin
                                        resolve_max_tokens)
 from lodestar.serve.openai_chat import EFFORT_THINKING, logprob_entries, new_call_id, select_tools
 from lodestar.serve.protocol import ResponsesRequest
-from lodestar.serve.sse import KEEPALIVE, SSEResponse, sse_event
+from lodestar.serve.sse import SSEResponse, sse_event
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
 
 router = APIRouter(tags=["OpenAI"])
@@ -283,16 +283,18 @@ def _call_item(item_id: str, call_id: str, origin: ToolOrigin, arguments: str, s
 class _Envelope:
     """The ``response`` object fields that do not depend on the output."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, defaults: dict | None = None) -> None:
+        defaults = defaults or {}
         self.id, self.created = _id("resp"), int(time.time())
         self.base = {"object": "response", "model": model, "error": None, "incomplete_details": None,
                      "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                      "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
                      "previous_response_id": None,
                      "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
-                     "store": False, "temperature": body.temperature if body.temperature is not None else 1.0,
+                     "store": False,
+                     "temperature": body.temperature if body.temperature is not None else defaults.get("temperature", 1.0),
                      "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
-                     "tools": body.tools or [], "top_p": body.top_p if body.top_p is not None else 1.0,
+                     "tools": body.tools or [], "top_p": body.top_p if body.top_p is not None else defaults.get("top_p", 1.0),
                      "truncation": "disabled", "user": body.user, "metadata": body.metadata or {}}
 
     def response(self, status: str, output: list, usage: dict | None = None, reason: str | None = None) -> dict:
@@ -463,7 +465,7 @@ def prepare(state: ServeState, body: ResponsesRequest, warnings: RequestWarnings
                                         max_field="max_output_tokens", prompt_field="input")
     except Exception as e:
         raise as_api_error(e, "input") from None
-    params = build_params({"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
+    params = build_params({"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}, state.config.sampling_defaults,
                           temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
                           stop=prompt.stop or None, logprobs=body.top_logprobs)
     return GenerationSpec(prompt.ids, params, names, prompt.in_reasoning), tools
@@ -475,8 +477,8 @@ async def _stream(state: ServeState, env: _Envelope, gen: Generation, want_logpr
     yield w.event("response.in_progress", response=env.response("in_progress", []))
     try:
         async for d in gen.events():
-            if d.kind == "keepalive":
-                yield KEEPALIVE
+            if d.kind == "keepalive":      # an event, not an SSE comment: Codex's idle timer counts events only
+                yield w.event("keepalive")
                 continue
             for chunk in w.delta(d):
                 yield chunk
@@ -500,7 +502,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     state = get_state(request)
     warnings = RequestWarnings()
     spec, tools = await run_in_threadpool(prepare, state, body, warnings)   # tokenizing can take seconds
-    env = _Envelope(body, body.model)
+    env = _Envelope(body, body.model, state.config.sampling_defaults)
     want_logprobs = body.top_logprobs is not None
     if body.stream:
         gen = Generation(state, spec, stream=True, keepalive_s=state.config.keepalive_s)

@@ -25,6 +25,7 @@ class ServeConfig:
     keepalive_s: float = 2.0                       # SSE comment interval while no token arrives
     max_body_bytes: int = 8 * 1024 * 1024
     max_request_rows: int = 128                    # engine requests (prompts x n) one HTTP request may queue
+    sampling_defaults: dict = field(default_factory=dict)  # temperature/top_p/top_k for requests that omit them
     static_dir: Path | None = STATIC_DIR
     created: int = field(default_factory=lambda: int(time.time()))
 

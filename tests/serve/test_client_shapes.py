@@ -406,3 +406,36 @@ def test_an_uncapped_request_gets_the_rest_of_the_context(small):
     r = _post(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 5,
                                             "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and WARNING not in r.headers and engine.requests[-1][1].max_tokens == 5
+
+
+# -- sampling defaults for requests that set none ----------------------------------------------
+def test_server_sampling_defaults_fill_what_a_request_leaves_out(tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 20}
+    with serve_in_thread(build_app(engine, ServeConfig(model_names=(MODEL,), sampling_defaults=defaults))) as url:
+        for path, body in _bodies("hi").items():
+            assert _post(url, path, body).status_code == 200, path
+            p = engine.requests[-1][1]
+            assert (p.temperature, p.top_p, p.top_k) == (0.2, 0.9, 20), path
+            r = _post(url, path, {**body, "temperature": 0.7, "top_p": 0.5})
+            p = engine.requests[-1][1]
+            assert (p.temperature, p.top_p, p.top_k) == (0.7, 0.5, 20), path      # the request's own win
+            if path == "/v1/responses":
+                assert (r.json()["temperature"], r.json()["top_p"]) == (0.7, 0.5)
+        r = _post(url, "/v1/responses", {"model": MODEL, "input": "hi"})
+        assert (r.json()["temperature"], r.json()["top_p"]) == (0.2, 0.9)
+
+
+def test_serve_sampling_defaults_come_from_flags_then_the_model_file():
+    from argparse import Namespace
+
+    from lodestar.cli import CLIError, sampling_defaults
+    none = Namespace(temperature=None, top_p=None, top_k=None)
+    assert sampling_defaults(none, {}) == {}
+    md = {"general.sampling.temp": 0.6, "general.sampling.top_p": 0.95, "general.sampling.top_k": 40}
+    assert sampling_defaults(none, md) == {"temperature": 0.6, "top_p": 0.95, "top_k": 40}
+    flags = Namespace(temperature=0.0, top_p=None, top_k=None)
+    assert sampling_defaults(flags, md) == {"temperature": 0.0, "top_p": 0.95, "top_k": 40}
+    assert sampling_defaults(none, {"general.sampling.temp": "hot"}) == {}
+    with pytest.raises(CLIError, match="--top-p 1.5: must be between"):
+        sampling_defaults(Namespace(temperature=None, top_p=1.5, top_k=None), {})

@@ -176,18 +176,25 @@ def test_reasoning_is_split_from_content_in_every_api(oai, ant, script, fake_eng
 
 
 # -- streaming mechanics ---------------------------------------------------------------------
-def test_keepalive_comments_while_waiting_for_the_first_token(fake_url, script):
+def test_keepalives_while_waiting_for_the_first_token(fake_url, script):
+    """Chat Completions sends SSE comments; Messages its own ``ping`` event and Responses a
+    ``keepalive`` event, since Claude Code and Codex reset their idle timers on events only."""
     script.first_delay = 0.6         # the server's keep-alive interval is 0.1 s
-    for path, body in [("/v1/chat/completions", {"model": MODEL, "stream": True,
-                                                  "messages": [{"role": "user", "content": "hi"}]}),
-                       ("/v1/messages", {"model": MODEL, "stream": True, "max_tokens": 10,
-                                         "messages": [{"role": "user", "content": "hi"}]})]:
+    for path, body, mark in [
+            ("/v1/chat/completions", {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+             ": keep-alive"),
+            ("/v1/messages", {"model": MODEL, "stream": True, "max_tokens": 10,
+                              "messages": [{"role": "user", "content": "hi"}]}, 'data: {"type":"ping"}'),
+            ("/v1/responses", {"model": MODEL, "stream": True, "input": "hi"}, '"type":"keepalive"')]:
         with httpx.stream("POST", fake_url + path, json=body, timeout=10) as r:
             lines = [line for line in r.iter_lines() if line]
         first_text = next(i for i, line in enumerate(lines) if "Hello" in line)
-        keepalives = [i for i, line in enumerate(lines) if line == ": keep-alive"]
+        keepalives = [i for i, line in enumerate(lines) if mark in line]
         assert len(keepalives) >= 2, path
         assert all(i < first_text for i in keepalives), path
+        if path == "/v1/responses":
+            seqs = [json.loads(line[5:])["sequence_number"] for line in lines if line.startswith("data:")]
+            assert seqs == list(range(len(seqs))), "sequence numbers count the keep-alive events too"
 
 
 def test_stream_options_usage_and_n_choices(oai, script):
