@@ -30,4 +30,5 @@ class ModelConfig:
     sliding_window: int | None  # {arch}.attention.sliding_window
     tie_embeddings: bool        # True when the file has no output.weight tensor
     file_type: int | None = None
+    rope_scale: float = 1.0     # linear rope scaling: {arch}.rope.scaling.factor when .type is "linear"
     extra: dict[str, Any] = field(default_factory=dict)

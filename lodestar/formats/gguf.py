@@ -363,6 +363,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def _rope_scale(meta: dict, arch: str, number, fail) -> float:
+    """The linear rope scaling factor (1.0: none). Other kinds (YaRN, LongRoPE) change every
+    position's angles: a file that asks for one is refused rather than computed wrong."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind is None or kind == "none":
+        return number("rope.scale_linear", float, 1.0)       # the older key for the same factor
+    factor = number("rope.scaling.factor", float, 1.0)
+    if kind == "linear" or factor == 1.0:
+        return factor if kind == "linear" else 1.0
+    raise fail(f"{arch}.rope.scaling.type is {kind!r} (factor {factor}): only linear rope scaling is supported, "
+               "and positions would be computed wrong")
+
+
 def _config(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> ModelConfig:
     def fail(msg: str) -> GGUFError:
         return GGUFError(f"{path}: {msg}")
@@ -421,6 +434,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) ->
                    "expected a small positive number (below 1)")
     rope_theta = number("rope.freq_base", float, 10000.0)
     rope_dim = number("rope.dimension_count", int, head_dim)
+    rope_scale = _rope_scale(meta, arch, number, fail)
     sliding_window = number("attention.sliding_window", int, positive=False) or None  # 0: no window
 
     vocab_size = number("vocab_size", int)
@@ -453,6 +467,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) ->
         rms_eps=rms_eps,
         rope_theta=rope_theta,
         rope_dim=rope_dim,
+        rope_scale=rope_scale,
         sliding_window=sliding_window,
         tie_embeddings="output.weight" not in tensors,
         file_type=file_type if isinstance(file_type, int) and not isinstance(file_type, bool) else None,

@@ -212,7 +212,10 @@ class HFCheckpoint:
         head_dim = int(cfg.get("head_dim") or d_model // n_heads)
         theta, scaling = _rope(cfg)
         extra: dict[str, Any] = {"hf_layout": True}
-        if scaling is not None:
+        rope_scale = 1.0
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "linear":
+            rope_scale = float(scaling.get("factor", 1.0))
+        elif scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind != "llama3" or arch not in ("llama", "mistral"):
                 raise HFCheckpointError(f"{self.path}: rope scaling {kind!r} is not supported for {arch}")
@@ -239,7 +242,7 @@ class HFCheckpoint:
             ffn_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
             context_length=int(cfg.get("max_position_embeddings", 4096)), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_dim=head_dim, sliding_window=int(sliding) if sliding else None,
-            tie_embeddings="output.weight" not in self.tensors, file_type=None, extra=extra)
+            tie_embeddings="output.weight" not in self.tensors, file_type=None, rope_scale=rope_scale, extra=extra)
 
     def tokenizer(self):
         return load_hf_tokenizer(self.path, self.config.arch, self.hf_config)

@@ -11,7 +11,8 @@ class RotaryEmbedding(nn.Module):
     The tables are built with the same fp32 arithmetic as the reference
     (``inv_freq = 1 / base ** (arange(0, d, 2) / d)``, ``freqs = pos * inv_freq``) so
     rotated queries and keys match it bit for bit. ``freq_factors`` (GGUF
-    ``rope_freqs.weight``) divide the base frequencies, as llama.cpp does.
+    ``rope_freqs.weight``) divide the base frequencies, as llama.cpp does; so does a linear
+    scaling factor ``scale``.
     """
 
     def __init__(
@@ -20,12 +21,15 @@ class RotaryEmbedding(nn.Module):
         base: float,
         max_positions: int,
         freq_factors: torch.Tensor | None = None,
+        scale: float = 1.0,
     ) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.float()
+        if scale != 1.0:                  # linear scaling: position p turns as p / scale did
+            inv_freq = inv_freq / scale
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.max_positions = 0
         self._step: tuple | None = None   # (positions, dtype, cos, sin) of the current step

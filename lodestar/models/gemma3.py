@@ -116,7 +116,7 @@ class Gemma3Model(nn.Module):
         g = self.args = Gemma3Args.from_config(cfg)
         a = g.base
         n = min(a.context_length, 4096)
-        self.rope_global = RotaryEmbedding(a.rope_dim, a.rope_theta, n)
+        self.rope_global = RotaryEmbedding(a.rope_dim, a.rope_theta, n, scale=a.rope_scale)   # local: unscaled
         self.rope_local = RotaryEmbedding(a.rope_dim, g.rope_local_theta, n)
         self.embed = w.embedding("token_embd.weight")
         self.embed_scale = torch.tensor(a.d_model ** 0.5, dtype=torch.float32)

@@ -37,12 +37,13 @@ class LlamaArgs:
     rope_dim: int
     context_length: int
     permute_qk: bool
+    rope_scale: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "LlamaArgs":
         return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
                    cfg.vocab_size, cfg.rms_eps, cfg.rope_theta, cfg.rope_dim, cfg.context_length,
-                   cfg.arch in PERMUTED_QK_ARCHS and not cfg.extra.get("hf_layout", False))
+                   cfg.arch in PERMUTED_QK_ARCHS and not cfg.extra.get("hf_layout", False), cfg.rope_scale)
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -325,7 +326,8 @@ class LlamaModel(nn.Module):
         a = self.args = LlamaArgs.from_config(cfg)
         freq_factors = w.vector("rope_freqs.weight") if w.has("rope_freqs.weight") else None
         # One table for all layers; not a registered child of each block.
-        self.rope = RotaryEmbedding(a.rope_dim, a.rope_theta, min(a.context_length, 4096), freq_factors)
+        self.rope = RotaryEmbedding(a.rope_dim, a.rope_theta, min(a.context_length, 4096), freq_factors,
+                                    a.rope_scale)
         self.embed = w.embedding("token_embd.weight")
         self.layers = nn.ModuleList(LlamaBlock(a, w, i, self.rope) for i in range(a.n_layers))
         self.norm = RMSNorm(w.vector("output_norm.weight"), a.rms_eps)

@@ -181,6 +181,24 @@ def test_small_file_config_defaults(tmp_path):
         assert f.tensor("output_norm.weight").dequantize().tolist() == [1.0] * 64
 
 
+@pytest.mark.parametrize("kv, scale", [
+    ({}, 1.0),
+    ({".rope.scaling.type": "none"}, 1.0),
+    ({".rope.scaling.type": "linear", ".rope.scaling.factor": 8.0}, 8.0),
+    ({".rope.scale_linear": 4.0}, 4.0),                               # the older key
+    ({".rope.scaling.type": "yarn", ".rope.scaling.factor": 1.0}, 1.0),  # a factor of 1 changes nothing
+])
+def test_linear_rope_scaling_is_read(tmp_path, kv, scale):
+    with GGUFFile(write_gguf(tmp_path / "m.gguf", kv=kv)) as f:
+        assert f.config.rope_scale == scale
+
+
+def test_rope_scaling_it_cannot_compute_is_refused(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", kv={".rope.scaling.type": "yarn", ".rope.scaling.factor": 4.0})
+    with pytest.raises(GGUFError, match=r"llama.rope.scaling.type is 'yarn' \(factor 4.0\): only linear"):
+        GGUFFile(path)
+
+
 def test_output_weight_unties_embeddings(tmp_path):
     tensors = {"output.weight": (np.zeros((4, 64), dtype=np.float16), None)}
     with GGUFFile(write_gguf(tmp_path / "m.gguf", tensors=tensors)) as f:

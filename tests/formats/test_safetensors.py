@@ -64,8 +64,9 @@ def hf_folder(tmp_path_factory):
     return d, w
 
 
-def _reference_logits(w: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
-    """The Hugging Face Llama forward in fp32, written out."""
+def _reference_logits(w: dict[str, torch.Tensor], ids: list[int], divisor=None) -> torch.Tensor:
+    """The Hugging Face Llama forward in fp32, written out (``divisor`` of the rope frequencies:
+    the Llama 3.1 factors by default)."""
     f = {k: v.float() for k, v in w.items()}
     x = f["model.embed_tokens.weight"][ids]
     T = len(ids)
@@ -74,7 +75,7 @@ def _reference_logits(w: dict[str, torch.Tensor], ids: list[int]) -> torch.Tenso
         return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
 
     inv = 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
-    inv = inv / llama3_rope_factors(SCALING, THETA, HEAD_DIM)
+    inv = inv / (llama3_rope_factors(SCALING, THETA, HEAD_DIM) if divisor is None else divisor)
     ang = torch.arange(T).float()[:, None] * inv[None, :]
     cos, sin = torch.cat((ang, ang), -1).cos()[:, None], torch.cat((ang, ang), -1).sin()[:, None]
 
@@ -125,6 +126,26 @@ def test_forward_matches_direct_computation(hf_folder):
     got = runner.run([seq], [len(ids)])[0]
     want = _reference_logits(w, ids)[-1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_rope_scaling_matches_direct_computation(hf_folder, tmp_path):
+    """``rope_scaling: {"rope_type": "linear", "factor": 4}``: every frequency divided by 4."""
+    d, w = hf_folder
+    folder = tmp_path / "linear"
+    folder.mkdir()
+    for f in d.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(str(folder), mode="fp32", progress=False)
+    assert loaded.config.rope_scale == 4.0 and "rope_freqs.weight" not in HFCheckpoint(folder).tensors
+    ids = [5, 77, 300, 12, 9, 250, 41, 3, 99, 180]
+    seq = Sequence(0, ids, None)
+    got = ModelRunner(loaded.model, BlockPool(8, 4)).run([seq], [len(ids)])[0]
+    torch.testing.assert_close(got, _reference_logits(w, ids, divisor=4.0)[-1], rtol=1e-4, atol=1e-4)
+    unscaled = _reference_logits(w, ids, divisor=1.0)[-1]
+    assert not torch.allclose(got, unscaled, rtol=1e-4, atol=1e-4)      # the scaling is not a no-op here
 
 
 def test_gemma_norms_gain_one(tmp_path):
