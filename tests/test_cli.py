@@ -66,8 +66,11 @@ def test_chat_commands_and_turns(smollm_path):
 
 
 def test_chat_ctrl_c_stops_answer_not_program(smollm_path):
+    # A runner started in the background (`cmd &`) ignores SIGINT, and the child would inherit
+    # that: give it the default disposition, so Python installs its KeyboardInterrupt handler.
     p = subprocess.Popen(LODESTAR + ["chat", "-n", "2000", "--ignore-eos", "--threads", "1"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         p.stdin.write("Tell me a very long story.\n")
         p.stdin.flush()
