@@ -351,12 +351,11 @@ def sampling_defaults(a: argparse.Namespace, metadata: dict) -> dict:
             value = metadata[key]
         if value is not None:
             out[name] = int(value) if name == "top_k" else float(value)
-    limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
-    for name, (lo, hi) in limits.items():
-        if name in out and not lo <= out[name] <= hi:
-            raise CLIError(f"--{name.replace('_', '-')} {out[name]}: must be between {lo} and {hi}")
-    if out.get("top_k", 0) < 0:
-        raise CLIError(f"--top-k {out['top_k']}: must be 0 (off) or more")
+    from lodestar.engine.sampling import SamplingParams
+    try:
+        SamplingParams(**out)                 # the engine's own checks, at start rather than per request
+    except ValueError as e:
+        raise CLIError(f"sampling defaults {out}: {e}") from None
     return out
 
 

@@ -438,7 +438,7 @@ def test_serve_sampling_defaults_come_from_flags_then_the_model_file():
     flags = Namespace(temperature=0.0, top_p=None, top_k=None)
     assert sampling_defaults(flags, md) == {"temperature": 0.0, "top_p": 0.95, "top_k": 40}
     assert sampling_defaults(none, {"general.sampling.temp": "hot"}) == {}
-    with pytest.raises(CLIError, match="--top-p 1.5: must be between"):
+    with pytest.raises(CLIError, match=r"top_p must be in \(0, 1\].*got 1.5"):
         sampling_defaults(Namespace(temperature=None, top_p=1.5, top_k=None), {})
 
 
