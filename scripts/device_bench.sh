@@ -12,6 +12,15 @@
 # Every stage is time-boxed; a stage that fails or times out is recorded in bench.json
 # and the next one runs. The whole run stays under BUDGET_S seconds (default 530).
 # TEST_WORKERS=N runs the GPU tests in N processes (default 8; pytest-xdist wheels in .whl/).
+# Kernel switches (LODESTAR_FUSE, LODESTAR_PDL, LODESTAR_GEMV_TABLE, ...; lodestar/kernels/policy.py)
+# reach every stage through the environment. What some stages compare is set by these variables
+# of this script, passed on as options of python -m lodestar.bench.gpu (see its --help):
+#   LODESTAR_SWEEP_CONTEXTS -> sweep --contexts     LODESTAR_SWEEP_QTYPES -> sweep --qtypes
+#   LODESTAR_CHAIN_CELLS -> chain --chain-cells     LODESTAR_FUSE_CELLS -> fuse --fuse-cells
+#   LODESTAR_FUSE_ON / _OFF -> fuse --fuse-on / --fuse-off
+#   LODESTAR_GEMV_AB -> gemvform --gemv-ab (off, a table file, or one tiling; no longer a variant name)
+#   LODESTAR_AB -> ab --ab (set but empty: one side, the settings in force)
+#   LODESTAR_AB_CELLS -> ab --ab-cells              LODESTAR_PREFILL_ATTN_CASES -> prefillattn --prefill-attn-cases
 # Writes under $OUT: pytest.xml (GPU tests), pytest-tp.xml (two-GPU tests), bench.json (all measurements, errors and
 # stage exit codes), sweep.csv + sweep.svg (decode speed against context), gemv-variants.json
 # (matrix-vector tilings and loop forms per 8B shape), dense-variants.json (the same for the dense
@@ -30,7 +39,6 @@ export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
 # NVLink multicast stays off on shared multi-GPU hosts (NCCL, PyTorch symmetric memory, NVSHMEM).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LODESTAR_TP_TRACE_AFTER=${LODESTAR_TP_TRACE_AFTER:-170}   # a hung worker prints its stacks
 export PYTHONUNBUFFERED=1
 : > "$LOG"
 
@@ -96,10 +104,10 @@ stage() {
   want "$1" || return 0
   _stage "$@"
 }
-# ~430 tests, mostly Triton compiling: in one process 143 s with a warm Triton cache and over
-# 300 s on a fresh machine (runs 79-80); in 8 processes (pytest-xdist, carried in .whl/,
-# sharing the GPU and the Triton cache) 89-107 s on a fresh machine (stop 23). TEST_WORKERS=N
-# sets the processes (default 8 where xdist imports; 1: one process, no xdist).
+# The GPU tests are mostly Triton compiling: several minutes in one process on a fresh machine,
+# well under the stage's limit in 8 processes (pytest-xdist, carried in .whl/, sharing the GPU
+# and the Triton cache). TEST_WORKERS=N sets the processes (default 8 where xdist imports; 1:
+# one process, no xdist).
 workers=()
 nw=${TEST_WORKERS:-8}
 if [ "$nw" != 1 ]; then
@@ -123,14 +131,16 @@ bench 8b-q4_0 40
 bench 8b-q4k 40
 bench 8b-q4km 40
 bench prefill 45
-bench sweep 60 --csv "$OUT/sweep.csv" --svg "$OUT/sweep.svg"
-bench fuse 90
-bench gemvform 150
-bench ab 200
+bench sweep 60 --csv "$OUT/sweep.csv" --svg "$OUT/sweep.svg" ${LODESTAR_SWEEP_CONTEXTS:+--contexts "$LODESTAR_SWEEP_CONTEXTS"} \
+  ${LODESTAR_SWEEP_QTYPES:+--qtypes "$LODESTAR_SWEEP_QTYPES"}
+bench fuse 90 ${LODESTAR_FUSE_CELLS:+--fuse-cells "$LODESTAR_FUSE_CELLS"} ${LODESTAR_FUSE_ON:+--fuse-on "$LODESTAR_FUSE_ON"} \
+  ${LODESTAR_FUSE_OFF:+--fuse-off "$LODESTAR_FUSE_OFF"}
+bench gemvform 150 ${LODESTAR_GEMV_AB:+--gemv-ab "$LODESTAR_GEMV_AB"}
+bench ab 200 ${LODESTAR_AB+--ab "$LODESTAR_AB"} ${LODESTAR_AB_CELLS:+--ab-cells "$LODESTAR_AB_CELLS"}
 bench hostprof 60
 bench prefillgraph 150
-bench prefillattn 150
-bench chain 120
+bench prefillattn 150 ${LODESTAR_PREFILL_ATTN_CASES:+--prefill-attn-cases "$LODESTAR_PREFILL_ATTN_CASES"}
+bench chain 120 ${LODESTAR_CHAIN_CELLS:+--chain-cells "$LODESTAR_CHAIN_CELLS"}
 stage gemvvar 170 bash -c "$PY -m lodestar.bench.gemv_variants --budget \${GEMVVAR_BUDGET:-90} \${GEMVVAR_ONLY:+--only \$GEMVVAR_ONLY} \${GEMVVAR_QTYPES:+--qtypes \$GEMVVAR_QTYPES} > '$OUT/gemv-variants.json'"
 stage densevar 200 bash -c "$PY -m lodestar.bench.gemv_variants --dense --budget \${DENSEVAR_BUDGET:-120} > '$OUT/dense-variants.json'"
 bench densegemv 100

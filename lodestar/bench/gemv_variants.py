@@ -1,27 +1,30 @@
-"""Quantized matrix-vector kernel variants on Llama-3.1-8B shapes (M = 1), on one GPU.
+"""Quantized matrix-vector kernel tilings on Llama-3.1-8B shapes (M = 1), on one GPU.
 
-For each weight type and shape it times the rule's tiling (``default``), every loop variant
-of ``triton_quant.GEMV_VARIANTS`` and a handful of other tilings, and reports per config
+For each weight type and shape it times the type-blind rule's tiling (``default``), the
+type's rule and shipped entry, and the candidate tilings of ``TILINGS`` (group tiles and word
+tiles, some with the next tile prefetched or the tile loop unrolled), and reports per config
 the kernel's median / min / max microseconds and effective TB/s (weight bytes / time),
 its largest difference from the default's output, then the best config per shape, the
 whole-token matrix-vector time (32 x (qkv, o, gate_up, down) + head, every weight of the
 swept type) with the default against the best per shape, and a device-copy bandwidth
 measured in the same run. ``table`` is what ``LODESTAR_GEMV_TABLE`` reads, per weight type.
+Weights are packed with the scale form the table in force gives their shape (``kquant_scales``).
 
 Timing: x is quantized once (``QuantizedRows``), so only the matrix-vector kernel runs;
 ``REPS`` launches go into one CUDA graph, replayed ``iters`` times with CUDA events around
 each replay. The launches cycle through copies of the weight adding up to more than
 ``ROTATE_BYTES``, so that no launch finds its weight in L2 (a decode step reads every
 weight once). Compilation dominates the run time: configs are measured in rounds (all
-defaults, then the variants, then the tilings) until ``budget_s`` is spent; what did not
-fit is listed under ``skipped``.
+defaults, then the tilings) until ``budget_s`` is spent; what did not fit is listed under
+``skipped``.
 
     python -m lodestar.bench.gemv_variants [--qtypes Q4_0,Q4_K] [--iters 20] [--budget 90] > gemv.json
-    python -m lodestar.bench.gemv_variants --qtypes Q4_K --configs "down:8,32,7,1,0,0,0,1 down:16,32,2,4,0,0,0,1,128"
+    python -m lodestar.bench.gemv_variants --qtypes Q4_K --configs "down:8,32,7,1,0,0,1 down:16,32,2,4,0,0,1,128"
 
-``--configs`` times named tilings (``SHAPE:CONFIG``, CONFIG as ``LODESTAR_GEMV`` reads it) of
-those shapes only, after the rule and the shipped entry (``default``, ``rule``, ``shipped``),
-instead of the built-in variants and tilings.
+``--configs`` times named tilings (``SHAPE:CONFIG``, CONFIG as ``gemv_tiling.parse_gemv_config``
+reads it: ``block_n,tile_groups,split_k,num_warps[,prefetch,unroll,words,maxnreg]``) of those
+shapes only, after the rule and the shipped entry (``default``, ``rule``, ``shipped``), instead
+of ``TILINGS``.
 
 ``--dense`` times the dense bf16 kernel (``triton_dense``) the same way over the same shapes:
 the shape's current config, the rule and ``DENSE_CONFIGS`` (a K split's sum kernel counted in
@@ -53,40 +56,54 @@ REPS = 40
 ROTATE_BYTES = 256 << 20        # > 4x the H200's 50 MB L2
 SEED = 1234
 
-# Other tilings, as edits of the rule's config (name -> function of it).
+
+def _words(c, **change):
+    """``c`` as a word-tile config (tiles of 32 groups) with ``change``."""
+    return dataclasses.replace(c, **{"words": True, "tile_groups": 32, **change})
+
+
+# Candidate tilings, as edits of the type-blind rule's config (name -> function of it).
 TILINGS: dict[str, Callable] = {
+    # group tiles (``_gemv_kernel``)
     "bn8": lambda c: dataclasses.replace(c, block_n=8),
+    "bn32": lambda c: dataclasses.replace(c, block_n=32),       # x terms loaded once per 32 rows
     "bn32_tg8": lambda c: dataclasses.replace(c, block_n=32, tile_groups=8),
     "tg32_w8": lambda c: dataclasses.replace(c, tile_groups=32, num_warps=8),
     "bn32_w8": lambda c: dataclasses.replace(c, block_n=32, num_warps=8),
     "split_half": lambda c: dataclasses.replace(c, split_k=max(1, c.split_k // 2)),
     "split_double": lambda c: dataclasses.replace(c, split_k=c.split_k * 2),
-    "prefetch_split_half": lambda c: dataclasses.replace(c, split_k=max(1, c.split_k // 2), prefetch=True),
-    "prefetch_w8": lambda c: dataclasses.replace(c, num_warps=8, prefetch=True),
     # fewer warps: each thread holds more rows of a tile, so one load of x serves them all
     "w2": lambda c: dataclasses.replace(c, num_warps=2),
     "w1": lambda c: dataclasses.replace(c, num_warps=1),
     "bn32_w2": lambda c: dataclasses.replace(c, block_n=32, num_warps=2),
-    "prefetch_w2": lambda c: dataclasses.replace(c, num_warps=2, prefetch=True),
-    "prefetch_w2_split_half": lambda c: dataclasses.replace(c, num_warps=2, prefetch=True,
-                                                            split_k=max(1, c.split_k // 2)),
-    "unroll_w2": lambda c: dataclasses.replace(c, num_warps=2, unroll=True),
-    "prefetch_bn8": lambda c: dataclasses.replace(c, block_n=8, prefetch=True),
-    # the word-tile kernel (``words``) with other tilings
-    "words_split_half": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=max(1, c.split_k // 2)),
-    "words_split_double": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=c.split_k * 2),
-    "words_bn8_w2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=8, num_warps=2),
-    "words_bn32_w4": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=32, num_warps=4),
-    "words_w2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, num_warps=2),
+    # word tiles (``_gemv_words_kernel``): the tile held as code words, whole groups per thread
+    "words": lambda c: _words(c),
+    "words_tg16": lambda c: _words(c, tile_groups=16),
+    "words_bn8": lambda c: _words(c, block_n=8),
+    "words_bn32_w8": lambda c: _words(c, block_n=32, num_warps=8),
+    "words_split_half": lambda c: _words(c, split_k=max(1, c.split_k // 2)),
+    "words_split_double": lambda c: _words(c, split_k=c.split_k * 2),
+    "words_bn8_w2": lambda c: _words(c, block_n=8, num_warps=2),
+    "words_bn32_w4": lambda c: _words(c, block_n=32, num_warps=4),
+    "words_w2": lambda c: _words(c, num_warps=2),
     # whole 32-group tiles in each K split of a 14,336-wide row (448 groups: 7 or 14 splits)
-    "words_split7": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=7),
-    "words_split7_w2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=7, num_warps=2),
-    "words_split14": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=14),
-    "words_split2_unroll": lambda c: dataclasses.replace(c, words=True, tile_groups=32, split_k=2, unroll=True),
+    "words_split7": lambda c: _words(c, split_k=7),
+    "words_split7_w2": lambda c: _words(c, split_k=7, num_warps=2),
+    "words_split14": lambda c: _words(c, split_k=14),
     # more, smaller programs for the 4,096-wide rows
-    "words_bn8_w2_split2": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=8, num_warps=2,
-                                                         split_k=2),
-    "words_bn8_split4": lambda c: dataclasses.replace(c, words=True, tile_groups=32, block_n=8, split_k=4),
+    "words_bn8_w2_split2": lambda c: _words(c, block_n=8, num_warps=2, split_k=2),
+    "words_bn8_split4": lambda c: _words(c, block_n=8, split_k=4),
+    # the next tile's words and scales loaded before this tile's math
+    "words_prefetch": lambda c: _words(c, prefetch=True),
+    "words_prefetch_bn8": lambda c: _words(c, block_n=8, prefetch=True),
+    "words_prefetch_w2": lambda c: _words(c, num_warps=2, prefetch=True),
+    "words_prefetch_w8": lambda c: _words(c, num_warps=8, prefetch=True),
+    "words_prefetch_split_half": lambda c: _words(c, split_k=max(1, c.split_k // 2), prefetch=True),
+    "words_prefetch_w2_split_half": lambda c: _words(c, num_warps=2, split_k=max(1, c.split_k // 2), prefetch=True),
+    # the whole tile loop unrolled
+    "words_unroll": lambda c: _words(c, unroll=True),
+    "words_unroll_w2": lambda c: _words(c, num_warps=2, unroll=True),
+    "words_split2_unroll": lambda c: _words(c, split_k=2, unroll=True),
 }
 
 
@@ -95,26 +112,25 @@ def configs(n: int, k: int, device: torch.device, qtype=None,
             explicit: tuple[str, ...] | None = None) -> list[tuple[str, str, object]]:
     """(round, name, GemvConfig) for one shape: the type-blind rule (``default``: the
     group-tile kernel), the type's rule, the shipped table's entry (if any), then either
-    each loop variant and each tiling (with ``only``: just those names) or, with
-    ``explicit`` (config texts), those configs named by their text (round ``config``).
-    Configs equal to an earlier one are left out."""
-    from lodestar.kernels import triton_quant as tq
-    base = tq.default_gemv_config(n, k, device)
+    each of ``TILINGS`` (with ``only``: just those names) or, with ``explicit`` (config
+    texts), those configs named by their text (round ``config``). Configs equal to an
+    earlier one, or with tiles wider than the row, are left out."""
+    from lodestar.kernels.gemv_tiling import T, default_gemv_config, parse_gemv_config, table_entry
+    from lodestar.kernels.quant_layout import GROUP
+    base = default_gemv_config(n, k, device)
     out = [("default", "default", base)]
     if qtype is not None:
-        out.append(("default", "rule", tq.default_gemv_config(n, k, device, qtype)))   # the type's own rule
-    shipped = tq._tuned_config(n, k, device, qtype) if qtype is not None else None
-    if shipped is not None:
-        out.append(("default", "shipped", shipped))
+        out.append(("default", "rule", default_gemv_config(n, k, device, qtype)))   # the type's own rule
+        shipped = table_entry(f"{T(int(qtype)).name}:{n},{k}", device)
+        if shipped:
+            out.append(("default", "shipped", parse_gemv_config(shipped)))
     if explicit is not None:
-        out += [("config", text, tq.parse_gemv_config(text)) for text in explicit]
+        out += [("config", text, parse_gemv_config(text)) for text in explicit]
     else:
-        out += [("variant", name, tq.with_variant(base, name)) for name in tq.GEMV_VARIANTS
-                if name != "default" and (only is None or name in only)]
         out += [("tiling", name, edit(base)) for name, edit in TILINGS.items() if only is None or name in only]
     seen, unique = set(), []
     for rnd, name, cfg in out:
-        if cfg not in seen and (k // tq.GROUP) >= cfg.tile_groups:
+        if cfg not in seen and (k // GROUP) >= cfg.tile_groups:
             seen.add(cfg)
             unique.append((rnd, name, cfg))
     return unique
@@ -153,9 +169,10 @@ def copy_bandwidth(device: str, iters: int) -> dict:
 def _weights(qtype, n: int, k: int, device: str) -> list:
     """Enough copies of one random packed weight to exceed ROTATE_BYTES."""
     from lodestar.formats.synthetic import random_weight
-    from lodestar.kernels import triton_quant as tq
+    from lodestar.kernels.gemv_tiling import kquant_scales
+    from lodestar.kernels.quant_layout import pack
     gen = torch.Generator(device=device).manual_seed(SEED)
-    pw = tq.pack(qtype, random_weight(qtype.name, n, k, gen, device), n, k)
+    pw = pack(qtype, random_weight(qtype.name, n, k, gen, device), n, k, kquant_scales(qtype, n, k, torch.device(device)))
     copies = [pw]
     while len(copies) * pw.nbytes < ROTATE_BYTES:
         copies.append(dataclasses.replace(pw, **{f.name: getattr(pw, f.name).clone() for f in dataclasses.fields(pw)
@@ -200,8 +217,8 @@ def _graph_times(launch: Callable, weights: list, iters: int) -> list[float]:
 
 def _measure(rec: dict, xq, weights: list, cfg, ref: torch.Tensor | None, iters: int,
              bw: float) -> torch.Tensor | None:
-    from lodestar.kernels import triton_quant as tq
-    rec["config"] = tq.config_text(cfg)
+    from lodestar.kernels.gemv_tiling import config_text
+    rec["config"] = config_text(cfg)
     try:
         times, out = _time_config(xq, weights, cfg, iters)
     except Exception as exc:    # e.g. out of registers or shared memory for this tiling
@@ -251,13 +268,13 @@ def _results_head(device: str, iters: int) -> dict:
 def parse_explicit(text: str) -> dict[str, tuple[str, ...]]:
     """``--configs``: space- or semicolon-separated ``SHAPE:CONFIG`` -> {shape: config texts},
     each config checked (``parse_gemv_config``) and each shape one of SHAPES."""
-    from lodestar.kernels import triton_quant as tq
+    from lodestar.kernels.gemv_tiling import parse_gemv_config
     out: dict[str, list[str]] = {}
     for item in text.replace(";", " ").split():
         shape, sep, cfg = item.partition(":")
         if not sep or shape not in ALL_SHAPES:
             raise ValueError(f"--configs item {item!r}: give SHAPE:CONFIG with SHAPE one of {', '.join(ALL_SHAPES)}")
-        tq.parse_gemv_config(cfg)
+        parse_gemv_config(cfg)
         out.setdefault(shape, []).append(cfg)
     return {shape: tuple(cfgs) for shape, cfgs in out.items()}
 
@@ -267,16 +284,18 @@ def run(device: str = "cuda", qtypes: tuple[str, ...] = ("Q4_0", "Q4_K"), iters:
         explicit: dict[str, tuple[str, ...]] | None = None) -> dict:
     """Measure every (qtype, shape, config) that fits in ``budget_s``; see the module docstring.
     ``explicit`` ({shape: config texts}, ``parse_explicit``): only those shapes, with those configs."""
-    from lodestar.kernels import triton_quant as tq
+    from lodestar.kernels.gemv_tiling import T
+    from lodestar.kernels.quant_layout import QuantizedRows
+    from lodestar.kernels.triton_quant import quantize_x
     start = time.monotonic()
     dev = torch.device(device)
     results = _results_head(device, iters)
     bw = results["copy_bandwidth"]
     shapes = list(explicit) if explicit else list(SHAPES)
-    plan = {(q, s): configs(*ALL_SHAPES[s], dev, tq.T[q], only, explicit[s] if explicit else None)
+    plan = {(q, s): configs(*ALL_SHAPES[s], dev, T[q], only, explicit[s] if explicit else None)
             for q in qtypes for s in shapes}
     outputs: dict = {}
-    for rnd in ("default", "variant", "tiling", "config"):
+    for rnd in ("default", "tiling", "config"):
         for (qname, shape), cfgs in plan.items():
             n, k = ALL_SHAPES[shape]
             weights = None
@@ -287,10 +306,10 @@ def run(device: str = "cuda", qtypes: tuple[str, ...] = ("Q4_0", "Q4_K"), iters:
                     results["skipped"].append(f"{qname}/{shape}/{name}")
                     continue
                 if weights is None:
-                    weights = _weights(tq.T[qname], n, k, device)
+                    weights = _weights(T[qname], n, k, device)
                     x = torch.randn(1, k, generator=torch.Generator(device=device).manual_seed(SEED),
                                     device=device).to(torch.bfloat16)
-                    xq = tq.QuantizedRows(x, *tq.quantize_x(x))
+                    xq = QuantizedRows(x, *quantize_x(x))
                 rec = results["results"].setdefault(qname, {}).setdefault(shape, {}).setdefault(name, {})
                 out = _measure(rec, xq, weights, cfg, outputs.get((qname, shape)), iters, bw["bytes_per_s"])
                 if name == "default" and out is not None:
@@ -398,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--qtypes", default="Q4_0,Q4_K", help="comma list of weight types")
     p.add_argument("--iters", type=int, default=20, help="graph replays per config")
     p.add_argument("--budget", type=float, default=90.0, help="seconds; configs past it are skipped")
-    p.add_argument("--only", default="", help="comma list of variant / tiling names (default: all)")
+    p.add_argument("--only", default="", help="comma list of TILINGS names (default: all)")
     p.add_argument("--configs", default="", help="SHAPE:CONFIG items (space or ; separated): time only "
                    "these tilings of these shapes, after the rule and the shipped entry")
     p.add_argument("--dense", action="store_true", help="time the dense bf16 kernel's tilings instead")

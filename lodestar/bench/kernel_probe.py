@@ -26,16 +26,18 @@ from lodestar.bench.gemv_variants import SEED, SHAPES, copy_bandwidth
 def run_quant(qtype_name: str, shape: str, launches: int) -> None:
     from lodestar.bench.gemv_variants import _weights
     from lodestar.kernels import triton_quant as tq
-    qtype = tq.T[qtype_name]
+    from lodestar.kernels.gemv_tiling import T, config_text, gemv_config
+    from lodestar.kernels.quant_layout import QuantizedRows
+    qtype = T[qtype_name]
     n, k = SHAPES[shape]
     weights = _weights(qtype, n, k, "cuda")
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     words, d1, sums = tq.quantize_x(x)
-    xq = tq.QuantizedRows(x, words, d1, sums)
-    cfg = tq.gemv_config(n, k, x.device, qtype)
+    xq = QuantizedRows(x, words, d1, sums)
+    cfg = gemv_config(n, k, x.device, qtype)
     for pw in weights:
         tq.reserve_tile_counters(pw, cfg)
-    print(f"quant {qtype_name} {shape} config {tq.config_text(cfg)}", flush=True)
+    print(f"quant {qtype_name} {shape} config {config_text(cfg)}", flush=True)
     for i in range(launches):
         tq.quant_matmul(xq, weights[i % len(weights)], torch.float32, config=cfg)
     torch.cuda.synchronize()

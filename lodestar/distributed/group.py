@@ -18,12 +18,14 @@ import os
 import pickle
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lodestar.kernels.policy import KernelPolicy, active
 
 DEFAULT_TIMEOUT_S = 120.0    # a collective waiting longer for a peer means the peer is gone
 LOAD_TIMEOUT_S = 3600.0      # loading a shard may take long; a dead worker is noticed at once
@@ -46,6 +48,7 @@ class WorkerArgs:
     port: int
     timeout_s: float
     threads: int
+    policy: KernelPolicy = field(default_factory=active)    # rank 0's kernel policy, in force in the worker
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -105,7 +108,7 @@ class TensorParallelGroup:
             for r in range(1, world):
                 parent, child = ctx.Pipe()
                 args = WorkerArgs(r, world, str(spec), mode, str(rank_device(self.device, r)), self.backend,
-                                  self._store.port, self.timeout_s, threads)
+                                  self._store.port, self.timeout_s, threads, active())
                 proc = ctx.Process(target=worker_main, args=(args, child), name=f"lodestar-tp-rank{r}",
                                    daemon=True)
                 proc.start()

@@ -9,9 +9,10 @@ worker never samples; its slice of the logits goes to rank 0 and is dropped here
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
-import os
 import pickle
+import signal
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lodestar.distributed.group import WorkerArgs
+from lodestar.kernels.policy import install
 
 
 @dataclass
@@ -50,10 +52,8 @@ def build_shard(spec: str, mode: str, rank: int, world: int, device: str | torch
 
 def worker_main(args: WorkerArgs, conn) -> None:
     torch.set_num_threads(args.threads)
-    trace_after = os.environ.get("LODESTAR_TP_TRACE_AFTER")
-    if trace_after:   # diagnosing a hang: print every thread's stack after this many seconds
-        import faulthandler
-        faulthandler.dump_traceback_later(float(trace_after), exit=False)
+    install(args.policy)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)    # a hang: `kill -USR1 PID` prints every stack
     device = torch.device(args.device)
     try:
         if device.type == "cuda":

@@ -1,8 +1,8 @@
 """The engine: requests in, tokens out, one batched model step at a time.
 
-``add_request`` queues a prompt; each ``step`` schedules decode rows plus prefill chunks
-under a token budget, runs them as one flattened batch, samples, detokenizes and checks
-stop conditions. Finished requests free their KV blocks at once.
+``add_request`` queues a prompt; each ``step`` asks the ``Scheduler`` for decode rows plus
+prefill chunks under a token budget, runs them as one flattened batch, samples,
+detokenizes and checks stop conditions. Finished requests free their KV blocks at once.
 
 Overlapped decode (``EngineConfig.overlap_decode``, on by default with CUDA graphs): while
 every running request decodes greedily with nothing to apply to its logits, each step
@@ -11,27 +11,28 @@ its tokens; the host's detokenizing and stop checks then run while the GPU compu
 request that stops on a token leaves one step of extra device work, which is dropped; its
 outputs, the KV blocks it frees and the blocks the prefix cache registers are those of the
 step-by-step loop. Any other step (a prefill, a sampled or penalized row, a waiting request
-that could be admitted, too few free blocks) first finishes the queued step.
+that could be admitted, too few free blocks: ``Scheduler.can_continue``) first finishes the
+queued step.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
 from lodestar.engine.detokenizer import IncrementalDetokenizer
 from lodestar.engine.faults import ModelFaultError, NonFiniteLogitsError, model_fault
-from lodestar.engine.kv_cache import BlockPool, block_hash, prefix_hashes
+from lodestar.engine.kv_cache import BlockPool
 from lodestar.engine.loader import LoadedModel
 from lodestar.engine.model_runner import ModelRunner, PendingDecode
 from lodestar.engine.sampling import SampleResult, Sampler, SamplerState, SamplingParams, plain_greedy
-from lodestar.engine.sequence import Sequence, SequenceStatus
+from lodestar.engine.scheduler import ScheduledBatch, Scheduler
+from lodestar.engine.sequence import Sequence
 
 
 def _slots(blocks: list[int], block_size: int) -> torch.Tensor:
@@ -148,10 +149,11 @@ class LLMEngine:
                               tuple((l.n_kv_heads, l.head_dim) for l in layers))
             self.disk = DiskKVCache(cfg.kv_dir, layout, cfg.disk_max_bytes, cfg.disk_min_tokens)
         self.pool.on_evict = self._on_evict
+        self.scheduler = Scheduler(self.pool, self.fingerprint, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self.max_model_len, self.stats, on_cached=self._remember_block,
+                                   extend_prefix=self._attach_from_disk if self.disk is not None else None)
         self.sampler = Sampler()
         self._ids = itertools.count()
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
         self.requests: dict[int, Sequence] = {}
         self._skip_ids = frozenset(self.tokenizer.special_ids)
         self._inflight: PendingDecode | None = None
@@ -179,7 +181,7 @@ class LLMEngine:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer.token_bytes, self._skip_ids, params.stop,
                                                  params.include_stop_str_in_output)
         self.requests[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
@@ -188,24 +190,20 @@ class LLMEngine:
             self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
-    # -- scheduling ----------------------------------------------------------------
-    def _attach_prefix(self, seq: Sequence) -> None:
-        """Reuse cached blocks for the longest cached prefix (always leaving one token to run)."""
-        bs = self.pool.block_size
-        hashes = prefix_hashes(seq.token_slice(0, seq.num_tokens), bs, self.fingerprint)
-        limit = (seq.num_tokens - 1) // bs
-        hit = self.pool.lookup(hashes[:limit])
-        seq.block_table = list(hit)
-        seq.block_hashes = hashes[: len(hit)]
-        seq.num_computed = len(hit) * bs
-        if self.disk is not None:
-            self._attach_from_disk(seq, hashes, limit)
-        if not seq.output_ids:          # a first admission, not a recompute after preemption
-            seq.cached_tokens = seq.num_computed
-            self.stats["prompt_tokens"] += len(seq.prompt_ids)
-            self.stats["cached_tokens"] += seq.num_computed
+    @property
+    def waiting(self) -> list[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    # -- prefix cache: records and the disk tier -------------------------------------
+    def _remember_block(self, h: bytes, parent: bytes | None, tokens: list[int]) -> None:
+        """The scheduler cached a full block: keep its parent and tokens (``_on_evict`` needs them)."""
+        self._block_meta[h] = (parent, tokens)
 
     def _attach_from_disk(self, seq: Sequence, hashes: list[bytes], limit: int) -> None:
         """Extend the memory hit from the longest checkpoint on disk (it may cover more)."""
@@ -224,7 +222,7 @@ class LLMEngine:
             layer.v_cache[slots] = v[have * bs:use * bs].to(self.device, layer.v_cache.dtype)
         for j, b in enumerate(blocks, start=have):
             if self.pool.register(b, hashes[j]):
-                self._block_meta[hashes[j]] = (hashes[j - 1] if j else None, seq.token_slice(j * bs, (j + 1) * bs))
+                self._remember_block(hashes[j], hashes[j - 1] if j else None, seq.token_slice(j * bs, (j + 1) * bs))
         seq.block_table += blocks
         seq.block_hashes = hashes[:use]
         seq.num_computed = use * bs
@@ -264,127 +262,59 @@ class LLMEngine:
         """Checkpoint running conversations and wait for the disk tier to finish writing."""
         if self.disk is None:
             return
-        for seq in self.running:
+        for seq in self.scheduler.running:
             self._save_to_disk(*self._chain(seq))
         self.disk.flush()
-
-    def _reserve(self, seq: Sequence, num_tokens: int, protected: set[int]) -> bool:
-        """Blocks for ``num_tokens`` tokens of ``seq``, preempting newer requests if needed."""
-        need = self.pool.blocks_needed(num_tokens) - len(seq.block_table)
-        while need > self.pool.num_free:
-            holders = [s for s in self.running + self.waiting
-                       if s.block_table and s.seq_id > seq.seq_id and s.seq_id not in protected]
-            if not holders:
-                return False
-            self._preempt(max(holders, key=lambda s: s.seq_id))
-        if need > 0:
-            tail = seq.block_table[-1] if seq.block_table else None   # grow in place where free
-            seq.block_table.extend(self.pool.allocate(need, after=tail))
-        return True
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a request's KV; it waits again and recomputes (cheaply, from cached blocks)."""
-        self.pool.free(seq.block_table)
-        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq not in self.waiting:
-            bisect.insort(self.waiting, seq, key=lambda s: s.seq_id)
-        seq.status = SequenceStatus.WAITING
-        self.stats["preemptions"] += 1
-
-    def _schedule(self) -> tuple[list[Sequence], list[int]]:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        rows: list[Sequence] = []
-        counts: list[int] = []
-        scheduled: set[int] = set()
-        for seq in sorted(self.running, key=lambda s: s.seq_id):   # decode rows first, oldest first
-            if budget <= 0:
-                break
-            if seq not in self.running:                             # preempted by an older one
-                continue
-            if not self._reserve(seq, seq.num_computed + 1, scheduled):
-                self._preempt(seq)
-                continue
-            rows.append(seq)
-            counts.append(1)
-            scheduled.add(seq.seq_id)
-            budget -= 1
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_computed == 0 and not seq.block_table:
-                self._attach_prefix(seq)
-            todo = seq.num_tokens - seq.num_computed
-            chunk = min(todo, budget)
-            if not self._reserve(seq, seq.num_computed + chunk, scheduled):
-                fit = (len(seq.block_table) + self.pool.num_free) * self.pool.block_size - seq.num_computed
-                chunk = min(chunk, fit)
-                if chunk <= 0 or not self._reserve(seq, seq.num_computed + chunk, scheduled):
-                    break
-            rows.append(seq)
-            counts.append(chunk)
-            scheduled.add(seq.seq_id)
-            budget -= chunk
-            if chunk == todo:                         # prompt complete after this step
-                self.waiting.pop(0)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-            else:
-                break                                 # chunked: the rest next step
-        return rows, counts
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        bs = self.pool.block_size
-        # with a step in flight, num_computed may run one past the tokens the host knows
-        full = min(seq.num_computed, seq.num_tokens) // bs
-        for j in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = seq.token_slice(j * bs, (j + 1) * bs)
-            h = block_hash(parent, tokens, self.fingerprint)
-            seq.block_hashes.append(h)
-            if self.pool.register(seq.block_table[j], h):
-                self._block_meta[h] = (parent, tokens)
 
     def _chain(self, seq: Sequence) -> tuple[list[bytes], list[int], list[int]]:
         """A sequence's hashed full blocks: (hashes, blocks, tokens), for ``_save_to_disk``."""
         n = len(seq.block_hashes)
         return seq.block_hashes, seq.block_table[:n], seq.token_slice(0, n * self.pool.block_size)
 
+    # -- one step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> sample -> postprocess; an overlapped decode step in flight is
+        collected first (and the next one queued when the scheduler says the batch continues)."""
         if self._inflight is not None:
             outs = self._collect()
             if outs or self._inflight is not None:
                 return outs
-        rows, counts = self._schedule()
-        if not rows:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
             return []
-        if self._overlappable(rows, counts):
-            self._inflight = self.runner.launch(rows)
+        if self._overlappable(batch):
+            self._inflight = self.runner.launch(batch.seqs)
             self.stats["overlapped_steps"] += 1
             return self._collect()
-        wants = [s.num_computed + n == s.num_tokens for s, n in zip(rows, counts)]
+        logits = self._run(batch)
+        results = self._sample(batch.sampled, logits)
+        return [self._accept(seq, res) for seq, res in zip(batch.sampled, results)]
+
+    def _run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """The model on one batch; then its new full blocks go to the prefix cache and a cold
+        prefill's prompt to the disk tier. Logits of the rows in ``batch.sampled``."""
         now = time.monotonic()
-        for s in rows:
+        for s in batch.seqs:
             if not s.prefill_started:
                 s.prefill_started = now
-        logits = self.runner.run(rows, counts, wants)
-        for s, w in zip(rows, wants):
-            self._register_full_blocks(s)
+        logits = self.runner.run(batch.seqs, batch.num_new, batch.want_logits)
+        for s, w in zip(batch.seqs, batch.want_logits):
+            self.scheduler.register_full_blocks(s)
             if not s.output_ids:
                 self._log_prefill(s, w)
             if w and not s.output_ids and self.disk is not None and \
                     s.num_computed - s.cached_tokens >= self.disk.min_tokens:
                 # a cold prefill: checkpoint its prompt
                 s.cache_write_tokens = self._save_to_disk(*self._chain(s))
-        sampled = [s for s, w in zip(rows, wants) if w]
-        if not sampled:
+        return logits
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[SampleResult]:
+        if not seqs:
             return []
         try:
-            results = self.sampler.sample(logits, [s.sampler_state for s in sampled])
+            return self.sampler.sample(logits, [s.sampler_state for s in seqs])
         except NonFiniteLogitsError as e:
             raise self._model_fault(str(e)) from None
-        return [self._accept(seq, res) for seq, res in zip(sampled, results)]
 
     def _log_prefill(self, seq: Sequence, done: bool) -> None:
         """A long prefill's progress in the log: every ``PREFILL_LOG_S`` seconds, and when it ends."""
@@ -407,15 +337,15 @@ class LLMEngine:
         return model_fault(self.loaded.path, detail, getattr(self.loaded.file, "tensors", None))
 
     # -- overlapped decode ------------------------------------------------------------
-    def _overlappable(self, rows: list[Sequence], counts: list[int]) -> bool:
-        return (self.overlap and all(n == 1 for n in counts) and all(plain_greedy(s.params) for s in rows)
-                and self.runner.launchable(rows))
+    def _overlappable(self, batch: ScheduledBatch) -> bool:
+        return (self.overlap and batch.is_decode and all(plain_greedy(s.params) for s in batch.seqs)
+                and self.runner.launchable(batch.seqs))
 
     def _collect(self) -> list[RequestOutput]:
-        """Queue the next step of the in-flight rows when nothing else needs scheduling, then
-        read and accept the in-flight step's tokens."""
+        """Queue the next step of the in-flight rows when the scheduler would pick exactly them
+        again, then read and accept the in-flight step's tokens."""
         cur, self._inflight = self._inflight, None
-        if self._may_continue(cur.seqs):
+        if self.overlap and self.scheduler.can_continue(cur.seqs) and self.runner.launchable(cur.seqs):
             self._inflight = self.runner.launch(cur.seqs, cur)
             self.stats["overlapped_steps"] += 1
         tokens, ok = cur.tokens()
@@ -425,31 +355,9 @@ class LLMEngine:
                 continue
             if not good:   # greedy with nothing applied: the logits are as the model computed them
                 raise self._model_fault(f"the model computed NaN or -inf logits (request {seq.seq_id})")
-            self._register_full_blocks(seq)
+            self.scheduler.register_full_blocks(seq)
             outs.append(self._accept(seq, SampleResult(tok)))
         return outs
-
-    def _may_continue(self, seqs: list[Sequence]) -> bool:
-        """The next step would decode exactly these rows again, greedily: reserve their next
-        blocks (without preempting anyone) and say yes."""
-        cfg = self.config
-        if not self.overlap or len(seqs) != len(self.running) or any(s.is_finished for s in seqs):
-            return False
-        if self.waiting and len(self.running) < cfg.max_num_seqs:
-            return False              # a waiting request may fit: let the scheduler see it
-        if len(seqs) > cfg.max_num_batched_tokens:
-            return False
-        # rows that stop on the token in flight (max_tokens, context) need no next step
-        if all(len(s.output_ids) + 1 >= s.params.max_tokens or s.num_computed + 1 >= self.max_model_len
-               for s in seqs):
-            return False
-        needs = [self.pool.blocks_needed(s.num_computed + 1) - len(s.block_table) for s in seqs]
-        if sum(n for n in needs if n > 0) > self.pool.num_free:
-            return False
-        for s, need in zip(seqs, needs):
-            if need > 0:
-                s.block_table.extend(self.pool.allocate(need, after=s.block_table[-1] if s.block_table else None))
-        return self.runner.launchable(seqs)
 
     def _accept(self, seq: Sequence, res) -> RequestOutput:
         p = seq.params
@@ -476,14 +384,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if reason != "abort":    # the whole conversation so far, for the next turn after a restart
             self._save_to_disk(*self._chain(seq))
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.scheduler.finish(seq, reason)
         self.requests.pop(seq.seq_id, None)
 
     # -- conveniences ------------------------------------------------------------

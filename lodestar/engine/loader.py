@@ -15,6 +15,7 @@ from tqdm import tqdm
 from lodestar.formats.catalog import resolve_model_path
 from lodestar.formats.config import ModelConfig
 from lodestar.formats.gguf import GGUFError, GGUFFile
+from lodestar.kernels.policy import KernelPolicy, active, install
 from lodestar.models import WEIGHT_MODES, CheckpointError, UnsupportedArchitectureError, build_model, validate
 from lodestar.tokenizer import Tokenizer, TokenizerError
 
@@ -104,7 +105,7 @@ def resolve_tensor_parallel(tensor_parallel: int | None) -> int:
 
 def load_model(spec: str | Path | None = None, mode: str = "packed", progress: bool = True,
                device: str = "cpu", tensor_parallel: int | None = None,
-               tp_timeout_s: float | None = None) -> LoadedModel:
+               tp_timeout_s: float | None = None, policy: KernelPolicy | None = None) -> LoadedModel:
     """Open ``spec`` (GGUF path, Hugging Face folder, known name or None for the default) and
     build model + tokenizer on ``device`` (cpu, cuda or auto).
 
@@ -112,8 +113,14 @@ def load_model(spec: str | Path | None = None, mode: str = "packed", progress: b
     ``tensor_parallel``: ranks to split the model over (default $LODESTAR_TENSOR_PARALLEL or 1).
     Above 1, ranks 1..N-1 start as worker processes (one GPU each on CUDA, gloo on the CPU),
     each building only its slice, and ``model`` is rank 0's slice; ``tp_timeout_s`` bounds
-    how long a collective waits for another rank.
+    how long a collective waits for another rank. ``policy``: the GPU kernels' tuning choices,
+    put in force for the process; None keeps the one in force (the ``LODESTAR_*`` switches of
+    ``kernels.policy.SWITCHES``, read from the environment at the first load).
     """
+    if policy is not None:
+        install(policy)
+    else:
+        active()        # a bad switch fails here, before anything is loaded
     if mode not in WEIGHT_MODES:
         raise ValueError(f"--dtype {mode!r}: choose one of {', '.join(WEIGHT_MODES)}")
     device = resolve_device(device)

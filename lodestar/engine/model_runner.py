@@ -25,11 +25,9 @@ device, before it has read this step's tokens: the GPU runs step N+1 while the h
 detokenizes step N. Host staging and result buffers alternate between two sets, so
 filling one step's inputs never waits for the step still queued. A step's positions, KV
 slots, lengths and block tables sit in one device buffer laid out as its staging buffer.
-By default (``stage_copies``: ``mapped``) the graph's first kernel reads the staging
-buffer itself from pinned host memory and its greedy kernel writes the tokens back there
-(``triton_step_inputs``), so nothing but the replays runs on the stream; otherwise the
-inputs reach the device in one copy before the replay (``STAGE_ONE_COPY_BYTES``) and the
-tokens in one copy after it.
+The graph's first kernel reads the staging buffer itself from pinned host memory and its
+greedy kernel writes the tokens back there (``triton_step_inputs``), so nothing but the
+replays runs on the stream.
 On the CPU ``launch`` runs the step at once (same results; only the device path gains
 speed).
 """
@@ -37,46 +35,21 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lodestar.engine.kv_cache import BlockPool, allocate_kv_tensors
 from lodestar.engine.sequence import Sequence
+from lodestar.kernels.triton_attention import grid_splits, num_partitions
+from lodestar.kernels.triton_sampling import greedy_rows
+from lodestar.kernels.triton_step_inputs import stage_bytes, stage_views, take_inputs
 from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# A decode step's inputs go to the device in one copy when it is at most this long: each
-# copy costs the step's stream a few microseconds however small it is. H200 run 150, one
-# stream, against a copy per input (``LODESTAR_STAGE_COPIES=apart``), same tokens: 8B Q4_K
-# 582.0 / 582.0 -> 583.6 / 584.3 tok/s, Q4_0 611.8 / 613.1 -> 615.3 / 615.5, SmolLM2-135M F16
-# 1,720.5 / 1,712.7 -> 1,732.6 / 1,745.6. With no input copy at all (a timing probe whose
-# steps replayed stale inputs, run 149): 8B Q4_K 581.4 -> 586.3 / 587.9, SmolLM2 F16 1,718 ->
-# 1,757. Run 153, the graph reading its inputs from pinned host memory and writing its tokens
-# back there (``mapped``, no copy on the stream) against one copy each way, same tokens: 8B
-# Q4_K 583.7 / 584.3 -> 586.7 / 586.9, Q4_0 614.2 / 614.0 -> 615.3 / 616.4, SmolLM2-135M F16
-# 1,752.3 / 1,755.9 -> 1,786.3 / 1,782.5.
-STAGE_ONE_COPY_BYTES = 64 << 10
-
-
-def stage_copies() -> str:
-    """How a decode graph gets its inputs and gives back its greedy tokens: env
-    ``LODESTAR_STAGE_COPIES``, unset or ``mapped``: the graph reads the inputs from pinned
-    host memory itself and its greedy kernel writes the tokens back there (no copy between
-    replays; ``triton_step_inputs``; needs the greedy kernel, else ``one``); ``one``: the
-    inputs copied in one copy (two past ``STAGE_ONE_COPY_BYTES``) before the replay and the
-    tokens copied out after it; ``apart``: a copy per input (for an A/B). Read when a graph is
-    captured; same results."""
-    env = os.environ.get("LODESTAR_STAGE_COPIES", "").strip() or "mapped"
-    if env not in ("mapped", "one", "apart"):
-        raise ValueError(f"LODESTAR_STAGE_COPIES={env!r}; use mapped, one or apart")
-    if env == "mapped" and not greedy_kernel_on():
-        return "one"
-    return env
 
 
 @contextmanager
@@ -93,14 +66,70 @@ def _no_gc():
             gc.enable()
 
 
+@dataclass(eq=False)
+class StepInputs:
+    """A decode step's inputs as views of one byte buffer (``ModelRunner._input_views``)."""
+
+    positions: torch.Tensor             # int64 [size]
+    slots: torch.Tensor                 # int64 [size]: KV slot of each row's new token
+    lens: torch.Tensor                  # int32 [size]
+    tables: torch.Tensor                # int32 [size, max_blocks], 16-byte aligned
+
+
+@dataclass(eq=False)
+class StepStage:
+    """Pinned host buffers for one decode step's inputs (``ModelRunner._staging``)."""
+
+    inputs: StepInputs                  # views of ``raw``
+    ids: torch.Tensor                   # int64 [size]: the rows' token ids
+    raw: torch.Tensor                   # uint8: laid out as the graph's device input buffer
+    copied: torch.cuda.Event            # recorded once the device has read this stage
+    header: torch.Tensor                # int32 [4]: take the ids?, table columns in use
+
+
+@dataclass(eq=False)
+class DecodeGraph:
+    """A decode graph captured for ``size`` rows (``ModelRunner._capture``) and its buffers."""
+
+    size: int
+    res: torch.Tensor                   # int64 [2, size] device: token-id input / greedy tokens, valid flags
+    ids: torch.Tensor                   # ``res[0]``: the graph's token-id input
+    stages: list[StepStage]             # two host stages, filled by alternate steps
+    raw: torch.Tensor                   # device uint8 input buffer, laid out as a stage's ``raw``
+    inputs: StepInputs                  # views of ``raw``
+    batch: AttentionBatch
+    host: torch.Tensor                  # pinned uint8 [2, stage_bytes] holding both stages
+    outs_host: torch.Tensor             # pinned int64 [2, 2, size], the greedy kernel's result slots
+    ctl: torch.Tensor                   # int32 [2] device (step counter, stage taken)
+    stage: int = 0                      # the stage the next step fills
+    logits: torch.Tensor = field(init=False)        # the captured graph's output
+    graph: torch.cuda.CUDAGraph = field(init=False)
+
+
+@dataclass(eq=False)
+class PrefillGraph:
+    """A prefill graph captured for a ``size``-token bucket (``ModelRunner._prefill_capture``)."""
+
+    size: int
+    ids: torch.Tensor                   # int64 [size] device
+    positions: torch.Tensor             # int64 [size] device
+    slots: torch.Tensor                 # int64 [size] device
+    last: torch.Tensor                  # int64 [1] device: the row whose logits come back
+    host: torch.Tensor                  # pinned int64 [4, size]: ids, positions, slots, last
+    copied: torch.cuda.Event            # recorded once the device has read ``host``
+    batch: AttentionBatch
+    logits: torch.Tensor = field(init=False)
+    graph: torch.cuda.CUDAGraph = field(init=False)
+
+
 @dataclass
 class PendingDecode:
     """A launched decode step whose greedy tokens the host has not read yet."""
 
     seqs: list[Sequence]
     result: torch.Tensor                # int64 [2, >= rows] on the host: tokens, then 1 if the row's max is > -inf
-    done: "torch.cuda.Event | None"     # recorded after the copy to ``result`` (None: ready)
-    graph: dict | None = None           # the captured graph it replayed (CUDA)
+    done: torch.cuda.Event | None       # recorded after the copy to ``result`` (None: ready)
+    graph: DecodeGraph | None = None    # the captured graph it replayed (CUDA)
 
     def tokens(self) -> tuple[list[int], list[bool]]:
         """(token per row, whether the row had a finite-or-+inf maximum); waits for the device."""
@@ -111,20 +140,13 @@ class PendingDecode:
         return ids, [bool(v) for v in ok]
 
 
-def greedy_kernel_on() -> bool:
-    """Whether CUDA greedy picks run ``triton_sampling.greedy_rows`` (env
-    ``LODESTAR_GREEDY_KERNEL``, unset or 1; 0: the torch reduction)."""
-    return os.environ.get("LODESTAR_GREEDY_KERNEL", "1").strip() != "0"
-
-
 def greedy_into(logits: torch.Tensor, out: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> None:
     """``out[0, :R]`` = first index of each row's maximum, ``out[1, :R]`` = 1 where that
     maximum is a number above -inf (0 for a row of -inf or with a NaN maximum). One Triton
     kernel on CUDA (``triton_sampling.greedy_rows``, which also writes ``host``'s slot when
-    given; ``LODESTAR_GREEDY_KERNEL=0``: the torch reduction, the same result, no ``host``)."""
-    if logits.is_cuda and greedy_kernel_on():
-        from lodestar.kernels.triton_sampling import greedy_rows
+    given); the torch reduction elsewhere (the same result)."""
+    if logits.is_cuda:
         greedy_rows(logits, out, host=host)
         return
     if host is not None:
@@ -158,10 +180,10 @@ class ModelRunner:
         self.max_blocks = -(-self.max_model_len // pool.block_size)
         self.n_kv_heads = layers[0].n_kv_heads
         self.cuda_graphs = cuda_graphs
-        self.graphs: dict[int, dict] = {}
+        self.graphs: dict[int, DecodeGraph] = {}
         self.graph_replays = 0
         self.prefill_graphs = prefill_graphs
-        self.prefill_buckets: dict[int, dict] = {}
+        self.prefill_buckets: dict[int, PrefillGraph] = {}
         self.prefill_replays = 0
         self._prefill_pool = None
         windows = [l.sliding_window for l in layers if getattr(l, "sliding_window", None)]
@@ -224,28 +246,30 @@ class ModelRunner:
         return (self.prefill_graphs and self.cuda_graphs and len(seqs) == 1 and seqs[0].num_computed == 0
                 and 1 < num_new[0] <= self.max_prefill_graph and (want_logits is None or want_logits[0]))
 
-    def _prefill_capture(self, size: int) -> dict:
+    def _prefill_capture(self, size: int) -> PrefillGraph:
         dev, bs = self.device, self.pool.block_size
         spare = self.spare_block * bs + torch.arange(size, device=dev) % bs
-        g = {"size": size, "ids": torch.zeros(size, dtype=torch.int64, device=dev),
-             "positions": torch.arange(size, dtype=torch.int64, device=dev), "slots": spare.clone(),
-             "last": torch.zeros(1, dtype=torch.int64, device=dev),
-             "host": torch.zeros(4, size, dtype=torch.int64, pin_memory=True), "copied": torch.cuda.Event()}
-        g["copied"].record()
+        ids = torch.zeros(size, dtype=torch.int64, device=dev)
+        positions = torch.arange(size, dtype=torch.int64, device=dev)
+        slots = spare.clone()
+        last = torch.zeros(1, dtype=torch.int64, device=dev)
+        host = torch.zeros(4, size, dtype=torch.int64, pin_memory=True)
+        copied = torch.cuda.Event()
+        copied.record()
         dummy = torch.zeros(1, 1, dtype=torch.int32, device=dev)
-        meta = GpuAttentionMeta(g["slots"], dummy, dummy[0], 1, 1)
+        meta = GpuAttentionMeta(slots, dummy, dummy[0], 1, 1)
         # one sequence of ``size`` new tokens, no cached prefix: plain causal attention over
         # the tokens' own slots (the device plan is the slot buffer itself)
-        batch = AttentionBatch(g["slots"], torch.zeros(1, 1, dtype=torch.int64), torch.tensor([size]),
+        batch = AttentionBatch(slots, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([size]),
                                torch.tensor([0, size]), bs, [size], [size], gpu=meta)
-        plan = batch._cache["device_plan"] = {"context_slots": g["slots"].view(1, size)}
+        plan = batch._cache["device_plan"] = {"context_slots": slots.view(1, size)}
         for window in {None} | {getattr(l, "sliding_window", None) for l in self.model.attention_layers}:
             plan[("mask", window)] = None     # the causal path takes no mask (size <= every window)
-        g["batch"] = batch
+        g = PrefillGraph(size, ids, positions, slots, last, host, copied, batch)
 
         def forward():
-            hidden = self.model(g["ids"], g["positions"], g["batch"])
-            return self.model.compute_logits(hidden.index_select(0, g["last"]))
+            hidden = self.model(g.ids, g.positions, g.batch)
+            return self.model.compute_logits(hidden.index_select(0, g.last))
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -257,8 +281,8 @@ class ModelRunner:
             self._prefill_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with _no_gc(), torch.cuda.graph(graph, pool=self._prefill_pool):
-            g["logits"] = forward()
-        g["graph"] = graph
+            g.logits = forward()
+        g.graph = graph
         self.prefill_buckets[size] = g
         return g
 
@@ -267,8 +291,8 @@ class ModelRunner:
         size = next(b for b in PREFILL_GRAPH_TOKENS if b >= n)
         g = self.prefill_buckets.get(size) or self._prefill_capture(size)
         bs = self.pool.block_size
-        g["copied"].synchronize()               # the last replay's copies have read the buffer
-        h = g["host"].numpy()
+        g.copied.synchronize()                  # the last replay's copies have read the buffer
+        h = g.host.numpy()
         h[0, :n] = seq.token_slice(0, n)
         h[0, n:] = 0
         h[1, :] = range(size)                   # padding continues the positions (within the context)
@@ -277,18 +301,17 @@ class ModelRunner:
         h[2, :n] = [table[p // bs] * bs + p % bs for p in pos.tolist()]
         h[2, n:] = self.spare_block * bs + torch.arange(size - n).numpy() % bs
         h[3, 0] = n - 1
-        g["ids"].copy_(g["host"][0], non_blocking=True)
-        g["positions"].copy_(g["host"][1], non_blocking=True)
-        g["slots"].copy_(g["host"][2], non_blocking=True)
-        g["last"].copy_(g["host"][3, :1], non_blocking=True)
-        g["copied"].record()
-        g["graph"].replay()
+        g.ids.copy_(g.host[0], non_blocking=True)
+        g.positions.copy_(g.host[1], non_blocking=True)
+        g.slots.copy_(g.host[2], non_blocking=True)
+        g.last.copy_(g.host[3, :1], non_blocking=True)
+        g.copied.record()
+        g.graph.replay()
         self.prefill_replays += 1
         seq.num_computed += n
-        return g["logits"].clone()
+        return g.logits.clone()
 
     def _gpu_meta(self, batch: AttentionBatch) -> GpuAttentionMeta:
-        from lodestar.kernels.triton_attention import grid_splits, num_partitions
         dev = self.device
         return GpuAttentionMeta(batch.slot_mapping.to(dev, non_blocking=True),
                                 batch.block_tables.to(torch.int32).to(dev, non_blocking=True),
@@ -322,42 +345,31 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[rows.to(hidden.device)])
 
-    def _forward_logits(self, g: dict) -> torch.Tensor:
-        hidden = self.model(g["ids"], g["positions"], g["batch"])
+    def _forward_logits(self, g: DecodeGraph) -> torch.Tensor:
+        hidden = self.model(g.ids, g.inputs.positions, g.batch)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, size: int) -> dict:
-        from lodestar.kernels.triton_attention import grid_splits, num_partitions
+    def _capture(self, size: int) -> DecodeGraph:
         dev, bs = self.device, self.pool.block_size
         # Row 0 is the graph's token-id input and, at its end, each row's greedy token (so a
         # following step can be fed from the device); row 1 says whether that token is valid.
         res = torch.zeros(2, size, dtype=torch.int64, device=dev)
-        mode = stage_copies()
-        g = {"size": size, "mode": mode, "stage": 0, "res": res, "ids": res[0]}
-        if mode == "mapped":
-            # both stages in one pinned buffer that the graph's first kernel reads, and the
-            # greedy tokens' two result slots that its greedy kernel writes
-            from lodestar.kernels.triton_step_inputs import stage_bytes
-            g["host"] = torch.zeros(2, stage_bytes(size, self._input_bytes(size)), dtype=torch.uint8,
-                                    pin_memory=True)
-            g["stages"] = [self._staging(size, g["host"][p]) for p in range(2)]
-            g["outs_host"] = torch.zeros(2, 2, size, dtype=torch.int64, pin_memory=True)
-            g["ctl"] = torch.zeros(2, dtype=torch.int32, device=dev)
-        else:
-            g["stages"] = [self._staging(size) for _ in range(2)]
-            g["outs"] = [(torch.zeros(2, size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                         for _ in range(2)]
-            g["out"] = 0
+        # both stages in one pinned buffer that the graph's first kernel reads, and the greedy
+        # tokens' two result slots that its greedy kernel writes
+        host = torch.zeros(2, stage_bytes(size, self._input_bytes(size)), dtype=torch.uint8, pin_memory=True)
+        stages = [self._staging(size, host[p]) for p in range(2)]
+        outs_host = torch.zeros(2, 2, size, dtype=torch.int64, pin_memory=True)
+        ctl = torch.zeros(2, dtype=torch.int32, device=dev)
         # positions, slots, lengths and block tables share one device buffer laid out as the
-        # staging one (``_input_views``): mapped, the graph's first kernel fills it from the
-        # stage; otherwise a step's inputs usually reach it in one copy. It starts as a copy
-        # of the staging buffer's padded-row values
-        g["raw"] = g["stages"][0]["raw"].to(dev)
-        g.update(self._input_views(g["raw"], size))
-        meta = GpuAttentionMeta(g["slots"], g["tables"], g["lens"], num_partitions(self.max_blocks * bs),
+        # staging one (``_input_views``), which the graph's first kernel fills from the stage.
+        # It starts as a copy of the staging buffer's padded-row values
+        raw = stages[0].raw.to(dev)
+        inputs = self._input_views(raw, size)
+        meta = GpuAttentionMeta(inputs.slots, inputs.tables, inputs.lens, num_partitions(self.max_blocks * bs),
                                 grid_splits(size, self.n_kv_heads, dev))
-        g["batch"] = AttentionBatch(g["slots"], g["tables"], g["lens"], torch.arange(size + 1), bs,
-                                    [1] * size, [1] * size, gpu=meta)
+        batch = AttentionBatch(inputs.slots, inputs.tables, inputs.lens, torch.arange(size + 1), bs,
+                               [1] * size, [1] * size, gpu=meta)
+        g = DecodeGraph(size, res, res[0], stages, raw, inputs, batch, host, outs_host, ctl)
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         # compile kernels, set up cuBLAS and reserve greedy_into's workspace outside the capture
@@ -368,25 +380,20 @@ class ModelRunner:
         res.zero_()
         graph = torch.cuda.CUDAGraph()
         with _no_gc(), torch.cuda.graph(graph):
-            g["logits"] = self._graph_body(g)
-        g["graph"] = graph
-        if mode == "mapped":
-            torch.cuda.current_stream(dev).synchronize()
-            g["ctl"].zero_()            # the first replay takes stage 0, as the host's first fill
-            g["outs_host"].zero_()
+            g.logits = self._graph_body(g)
+        g.graph = graph
+        torch.cuda.current_stream(dev).synchronize()
+        g.ctl.zero_()               # the first replay takes stage 0, as the host's first fill
+        g.outs_host.zero_()
         self.graphs[size] = g
         return g
 
-    def _graph_body(self, g: dict) -> torch.Tensor:
-        """What a decode graph runs: (mapped: its inputs taken from the host stage), the model,
-        the head, the greedy tokens (mapped: also into the host's result slot)."""
-        mapped = g["mode"] == "mapped"
-        if mapped:
-            from lodestar.kernels.triton_step_inputs import take_inputs
-            size = g["size"]
-            take_inputs(g["host"], g["ctl"], g["raw"], g["ids"], size, self.max_blocks, self._tables_offset(size))
+    def _graph_body(self, g: DecodeGraph) -> torch.Tensor:
+        """What a decode graph runs: its inputs taken from the host stage, the model, the head,
+        the greedy tokens (also into the host's result slot)."""
+        take_inputs(g.host, g.ctl, g.raw, g.ids, g.size, self.max_blocks, self._tables_offset(g.size))
         logits = self._forward_logits(g)
-        greedy_into(logits, g["res"], host=(g["outs_host"], g["ctl"]) if mapped else None)
+        greedy_into(logits, g.res, host=(g.outs_host, g.ctl))
         return logits
 
     @staticmethod
@@ -397,33 +404,28 @@ class ModelRunner:
     def _input_bytes(self, size: int) -> int:
         return self._tables_offset(size) + 4 * size * self.max_blocks
 
-    def _input_views(self, raw: torch.Tensor, size: int) -> dict:
+    def _input_views(self, raw: torch.Tensor, size: int) -> StepInputs:
         """A graph's step inputs as views of one byte buffer: positions and KV slots (int64),
         lengths (int32), then the block tables (int32 ``[size, max_blocks]``, 16-byte aligned)."""
         t0 = self._tables_offset(size)
-        return {"positions": raw[:8 * size].view(torch.int64), "slots": raw[8 * size:16 * size].view(torch.int64),
-                "lens": raw[16 * size:20 * size].view(torch.int32),
-                "tables": raw[t0:].view(torch.int32).view(size, self.max_blocks)}
+        return StepInputs(positions=raw[:8 * size].view(torch.int64), slots=raw[8 * size:16 * size].view(torch.int64),
+                          lens=raw[16 * size:20 * size].view(torch.int32),
+                          tables=raw[t0:].view(torch.int32).view(size, self.max_blocks))
 
-    def _staging(self, size: int, stage: torch.Tensor | None = None) -> dict:
-        """Pinned host buffers for one step's inputs (the token ids; the rest laid out as the
-        graph's device buffer), filled through numpy views; in ``stage`` (a stage of a mapped
-        graph's host buffer: ``triton_step_inputs.stage_views``) when given. ``copied``: an
-        event after which the device has read them."""
-        if stage is None:
-            raw = torch.zeros(self._input_bytes(size), dtype=torch.uint8, pin_memory=True)
-            extra = {"ids": torch.zeros(size, dtype=torch.int64, pin_memory=True)}
-        else:
-            from lodestar.kernels.triton_step_inputs import stage_views
-            extra = stage_views(stage, size, self._input_bytes(size))
-            raw = extra.pop("raw")
-        st = self._input_views(raw, size)
-        st["slots"].fill_(self.spare_block * self.pool.block_size)
-        st["lens"].fill_(1)
-        st["tables"].fill_(self.spare_block)
+    def _staging(self, size: int, stage: torch.Tensor) -> StepStage:
+        """One step's inputs (the token ids; the rest laid out as the graph's device buffer) as
+        numpy-fillable views of ``stage``, a stage of a graph's pinned host buffer
+        (``triton_step_inputs.stage_views``). ``copied``: an event after which the device has
+        read them."""
+        views = stage_views(stage, size, self._input_bytes(size))
+        raw, ids, header = views["raw"], views["ids"], views["header"]
+        inputs = self._input_views(raw, size)
+        inputs.slots.fill_(self.spare_block * self.pool.block_size)
+        inputs.lens.fill_(1)
+        inputs.tables.fill_(self.spare_block)
         copied = torch.cuda.Event()
         copied.record()
-        return {**st, **extra, "raw": raw, "copied": copied}
+        return StepStage(inputs, ids, raw, copied, header)
 
     def capture(self, sizes: tuple[int, ...] = GRAPH_BATCH_SIZES) -> None:
         """Capture decode graphs now (largest first) instead of at first use."""
@@ -431,21 +433,20 @@ class ModelRunner:
             if size not in self.graphs:
                 self._capture(size)
 
-    def _graph_for(self, n: int) -> dict:
+    def _graph_for(self, n: int) -> DecodeGraph:
         size = next(b for b in GRAPH_BATCH_SIZES if b >= n)
         return self.graphs.get(size) or self._capture(size)
 
-    def _stage(self, g: dict, seqs: list[Sequence], host_ids: bool) -> dict:
+    def _stage(self, g: DecodeGraph, seqs: list[Sequence], host_ids: bool) -> StepStage:
         """Copy the rows' positions, KV slots, lengths and block tables (and their token ids
         if ``host_ids``; else the ids the previous replay left on the device) into ``g``'s
-        inputs; a mapped graph (``stage_copies``) reads them from the stage itself when it is
-        replayed next. Returns the stage."""
+        stage, which the graph reads itself when it is replayed next. Returns the stage."""
         n, bs = len(seqs), self.pool.block_size
-        st = g["stages"][g["stage"]]
-        g["stage"] ^= 1
-        st["copied"].synchronize()           # the device has read this stage (two steps ago)
-        ids, positions, slots = st["ids"].numpy(), st["positions"].numpy(), st["slots"].numpy()
-        lens, tables = st["lens"].numpy(), st["tables"].numpy()
+        st = g.stages[g.stage]
+        g.stage ^= 1
+        st.copied.synchronize()              # the device has read this stage (two steps ago)
+        ids, positions, slots = st.ids.numpy(), st.inputs.positions.numpy(), st.inputs.slots.numpy()
+        lens, tables = st.inputs.lens.numpy(), st.inputs.tables.numpy()
         width = 1
         for r, s in enumerate(seqs):
             pos = s.num_computed
@@ -462,36 +463,17 @@ class ModelRunner:
         slots[n:] = self.spare_block * bs
         lens[n:] = 1
         tables[n:, 0] = self.spare_block
-        if g["mode"] == "mapped":           # read by the replay (its first kernel), no copy
-            st["header"][0] = int(host_ids)
-            st["header"][1] = width
-            return st
-        if host_ids:
-            g["ids"].copy_(st["ids"], non_blocking=True)
-        # one copy up to the last table column in use (the columns past a row's own blocks
-        # are never read), unless that spans many unused columns of a large batch
-        size = g["size"]
-        end = self._tables_offset(size) + 4 * ((size - 1) * self.max_blocks + width)
-        if g["mode"] == "apart":     # the form before, for A/B
-            for key in ("positions", "slots", "lens"):
-                g[key].copy_(st[key], non_blocking=True)
-            g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)
-        elif end <= STAGE_ONE_COPY_BYTES:
-            g["raw"][:end].copy_(st["raw"][:end], non_blocking=True)
-        else:
-            g["raw"][:20 * size].copy_(st["raw"][:20 * size], non_blocking=True)
-            g["tables"][:, :width].copy_(st["tables"][:, :width], non_blocking=True)
-        st["copied"].record()
+        st.header[0] = int(host_ids)        # read by the replay (its first kernel), no copy
+        st.header[1] = width
         return st
 
     def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
         g = self._graph_for(len(seqs))
         st = self._stage(g, seqs, host_ids=True)
-        g["graph"].replay()
-        if g["mode"] == "mapped":
-            st["copied"].record()
+        g.graph.replay()
+        st.copied.record()
         self.graph_replays += 1
-        return g["logits"][:len(seqs)].clone()
+        return g.logits[:len(seqs)].clone()
 
     # -- overlapped decode -------------------------------------------------------------
     @property
@@ -521,16 +503,11 @@ class ModelRunner:
         g = self._graph_for(len(seqs))
         if prev is not None and prev.graph is not g:
             raise ValueError("a step fed from the device must replay the previous step's graph")
-        p = g["stage"]
+        p = g.stage
         st = self._stage(g, seqs, host_ids=prev is None)
-        g["graph"].replay()
+        g.graph.replay()
         self.graph_replays += 1
-        if g["mode"] == "mapped":     # the greedy kernel wrote the tokens into result slot p
-            out, done = g["outs_host"][p], st["copied"]
-        else:
-            out, done = g["outs"][g["out"]]
-            g["out"] ^= 1
-            out.copy_(g["res"], non_blocking=True)
+        out, done = g.outs_host[p], st.copied     # the greedy kernel wrote the tokens into result slot p
         done.record()
         for s in seqs:
             s.num_computed += 1

@@ -6,32 +6,20 @@ fp32 per (output row, lane) and are summed once at the end; K splits write fp32 
 summed in split order by a second kernel. Every row of x is computed the same way
 whatever the number of rows, so results do not depend on the batch.
 
-``CudaDenseLinear`` runs it for single-row bf16 x (``MAX_ROWS``: one-stream decode),
-cuBLAS above:
-on the H200 it took 1.97-2.37 us against cuBLAS's 3.26-4.55 us on SmolLM2's matrices and
-matched cuBLAS on the 8B MLP's (``lodestar.bench.gpu dense``). ``LODESTAR_DENSE_GEMV=0``
-turns it off.
+``CudaDenseLinear`` runs it for single-row bf16 x (``MAX_ROWS``: one-stream decode), cuBLAS
+above: on small matrices it takes about half of cuBLAS's time, on the 8B MLP's it matches it
+(``lodestar.bench.gpu dense``). Policy ``dense_gemv`` off runs cuBLAS instead.
 
-Producer fusions: the kernel can compute its x tiles itself from what would have made x,
-saving that kernel's launch. The Llama decode path uses ``PendingNorm`` for small weights
-(``FUSE_MAX_WEIGHT``; fusion ``dense_norm`` of ``triton_quant.fusions``). ``PendingGlu``
-is exact too but measured slower on the H200 (see ``FUSE_MAX_WEIGHT``).
+Producer fusion (``dense_norm``): ``PendingNorm`` [``dense_gemv(rms_norm(x, residual=r), w)``]
+    RMSNorm (Llama form, ``w * y.to(dtype)``) of ``x + residual`` computed in the kernel's
+    prologue, for small weights (``FUSE_MAX_WEIGHT``). Every program recomputes the row's
+    sum of squares (the row is small and read from L2) with ``_rms_rstd``, the helper
+    ``triton_fused._rms_norm_kernel`` uses too, whose sum is exact (int64) so the scale is the
+    same bits in both kernels whatever their layouts; tiles are normalized and rounded to bf16
+    as the norm kernel does. The programs of the first row tile write the residual stream
+    ``h = x + residual``.
 
-``PendingNorm`` [``dense_gemv(rms_norm(x, residual=r), w)``]
-    RMSNorm (Llama form, ``w * y.to(dtype)``) of ``x + residual``. Every program
-    recomputes the row's sum of squares (the row is small and read from L2) with
-    ``_rms_rstd``, the helper ``triton_fused._rms_norm_kernel`` uses too, whose sum is
-    exact (int64) so the scale is the same bits in both kernels whatever their layouts;
-    tiles are normalized and rounded to bf16 as the norm kernel does. The programs of the
-    first row tile write the residual stream ``h = x + residual``.
-``PendingGlu`` [``dense_gemv(silu_mul(gate, up), w)``]
-    ``silu(gate) * up`` (halves of the fused gate|up output) through ``_glu_act``, which
-    ``triton_fused._glu_kernel`` uses too, rounded to bf16 as it does.
-
-Either gives the same bits as the unfused kernels. Shared by ``triton_fused``, the
-helpers live here (this module's kernels exist whenever Triton imports).
-
-Epilogue fusion (``glu_epilogue`` of ``triton_quant.fusions``): the consumer's work done by
+Epilogue fusion (``glu_epilogue``): the consumer's work done by
 the kernel itself, saving the activation kernel's launch after a gate|up projection.
 
 ``dense_gemv_glu`` [``silu_mul(*dense_gemv(x, w).split(F, -1))``]
@@ -49,16 +37,22 @@ the kernel itself, saving the activation kernel's launch after a gate|up project
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-try:
+from lodestar.kernels.gemv_tiling import table_entry
+from lodestar.kernels.launch import pdl, triton_enabled
+from lodestar.kernels.policy import active
+from lodestar.kernels.triton_fused import rms_norm
+
+triton = None
+if triton_enabled():
     import triton
     import triton.language as tl
-except ImportError:      # the CPU build runs without Triton
-    triton = None
+
+    from lodestar.kernels.launch import _pdl_enter
+    from lodestar.kernels.triton_common import _glu_act, _residual_chunk, _rms_apply, _rms_rstd
 
 
 @dataclass(frozen=True)
@@ -73,23 +67,16 @@ class DenseGemvConfig:
 # at 2-4 rows an 8B model decoded slower than with cuBLAS (batch 4: 429 vs 730 tok/s).
 MAX_ROWS = 1
 # Weight elements up to which the layers hand a projection the RMSNorm feeding it (launch
-# latency dominates there). H200, F16, one-row decode with CUDA graphs, tok/s without ->
-# with the norm fused: SmolLM2-135M (q|k|v, gate|up <= 1.8M elements) 1160-1182 -> 1259-1261;
-# forced on every size, Llama-3.2-1B (>= 6.3M) 996 -> 918 and Llama-3.1-8B 223 -> 198:
-# every program recomputes the row's scale, which on large weights costs more than the
-# launch it saves. The GLU prologue measured slower on both SmolLM2 (1170 -> 1140) and the
-# 8B (223 -> 209), so no model uses ``PendingGlu`` yet.
+# latency dominates there; on larger weights every program recomputing the row's scale costs
+# more than the launch it saves).
 FUSE_MAX_WEIGHT = 1 << 22
-# Activations of ``PendingGlu`` (the ``ACT`` of ``triton_fused._glu_kernel``).
+# Gated activations (the ``ACT`` of ``triton_fused._glu_kernel``).
 SILU, GELU_TANH = 0, 1
 
 
 def enabled() -> bool:
-    """``LODESTAR_DENSE_GEMV`` unset or 1: on; 0: off (read at each call)."""
-    env = os.environ.get("LODESTAR_DENSE_GEMV", "1").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"LODESTAR_DENSE_GEMV={env!r}: expected 0 or 1")
-    return env != "0"
+    """One-row bf16 products run this kernel (policy ``dense_gemv``)."""
+    return active().dense_gemv
 
 
 def default_config(n: int, k: int) -> DenseGemvConfig:
@@ -116,16 +103,9 @@ def config_text(cfg: DenseGemvConfig) -> str:
 
 
 def config_for(n: int, k: int, device: torch.device | None = None) -> DenseGemvConfig:
-    """The tiling for an ``[n, k]`` weight, first match wins: ``LODESTAR_DENSE_CONFIG=
-    block_n,block_k,split,warps`` (every shape); ``LODESTAR_GEMV_TABLE=file.json`` entries
-    ``BF16:n,k`` (the table ``python -m lodestar.bench.gemv_variants --dense`` prints);
-    the shipped ``triton_quant.TUNED_TABLE`` entry ``BF16:n,k`` for this GPU model
-    (``LODESTAR_GEMV_TABLE=off`` skips it); the rule (``default_config``). Read when a layer
-    is built."""
-    from lodestar.kernels.triton_quant import table_entry
-    fixed = os.environ.get("LODESTAR_DENSE_CONFIG", "").strip()
-    if fixed:
-        return parse_config(fixed)
+    """The tiling for an ``[n, k]`` weight: the tiling table's ``BF16:n,k`` entry
+    (``gemv_tiling.table_entry``; ``python -m lodestar.bench.gemv_variants --dense`` measures
+    them), else the rule (``default_config``). Read when a layer is built."""
     text = table_entry(f"BF16:{n},{k}", device)
     return parse_config(text) if text else default_config(n, k)
 
@@ -160,7 +140,6 @@ class PendingNorm:
 
     def materialize(self) -> torch.Tensor:
         """The norm as a tensor (for a consumer that cannot fuse it); fills ``h``."""
-        from lodestar.kernels.triton_fused import rms_norm
         if self.residual is None:
             return rms_norm(self.x, self.weight, self.eps)
         y, h = rms_norm(self.x, self.weight, self.eps, residual=self.residual)
@@ -168,34 +147,15 @@ class PendingNorm:
         return y
 
 
-@dataclass
-class PendingGlu:
-    """``act(gate) * up`` for [M, F] views (rows of one stride, e.g. halves of a fused
-    gate|up output) left for the dense matrix-vector kernel that reads it."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    act: int = SILU
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.gate.shape
-
-    def materialize(self) -> torch.Tensor:
-        from lodestar.kernels import triton_fused
-        fn = triton_fused.silu_mul if self.act == SILU else triton_fused.gelu_tanh_mul
-        return fn(self.gate, self.up)
-
-
 def dense_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp32 reference of ``x @ w.T``."""
     return x.float() @ w.float().T
 
 
-def dense_gemv(x: torch.Tensor | PendingNorm | PendingGlu, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+def dense_gemv(x: torch.Tensor | PendingNorm, w: torch.Tensor, out_dtype: torch.dtype | None = None,
                config: DenseGemvConfig | None = None) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` -> ``[M, N]`` in ``out_dtype`` (default x's dtype). ``x`` may
-    be a ``PendingNorm`` or ``PendingGlu`` (bf16): the kernel computes it tile by tile."""
+    be a ``PendingNorm`` (bf16): the kernel computes it tile by tile."""
     cfg = config or DenseGemvConfig()
     args = _x_args(x)
     m, k = args["shape"]
@@ -211,11 +171,11 @@ def dense_gemv(x: torch.Tensor | PendingNorm | PendingGlu, w: torch.Tensor, out_
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=w.device)
     _dense_gemv_kernel[grid](args["x"], args["x2"], args["nw"], args["h"], args["sx"], args["eps"], w, dst, n, k,
                              k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=args["mode"],
-                             HAS_RES=args["has_res"], ACT=args["act"], K_POW2=1 << (k - 1).bit_length(),
-                             GLU_OUT=-1, num_warps=cfg.warps, **_pdl())
+                             HAS_RES=args["has_res"], K_POW2=1 << (k - 1).bit_length(),
+                             GLU_OUT=-1, num_warps=cfg.warps, **pdl())
     if split > 1:
         total = m * n
-        _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](dst, out, total, SPLIT=split, BLOCK=1024, **_pdl())
+        _dense_split_sum_kernel[(triton.cdiv(total, 1024),)](dst, out, total, SPLIT=split, BLOCK=1024, **pdl())
     return out
 
 
@@ -236,8 +196,6 @@ def dense_gemv_glu(x: torch.Tensor | PendingNorm, w: torch.Tensor, act: int = SI
     ``triton_fused.silu_mul`` / ``gelu_tanh_mul`` (``act``: ``SILU`` / ``GELU_TANH``). ``x``
     may be a ``PendingNorm``. ``config`` must pass ``glu_epilogue_fits``."""
     cfg = config or DenseGemvConfig()
-    if isinstance(x, PendingGlu):
-        raise ValueError("dense_gemv_glu takes rows or a PendingNorm, not a PendingGlu")
     if act not in (SILU, GELU_TANH):
         raise ValueError(f"act {act!r}: expected SILU ({SILU}) or GELU_TANH ({GELU_TANH})")
     args = _x_args(x)
@@ -255,37 +213,25 @@ def dense_gemv_glu(x: torch.Tensor | PendingNorm, w: torch.Tensor, act: int = SI
     grid = (m, triton.cdiv(f, cfg.block_n // 2), 1)
     _dense_gemv_kernel[grid](args["x"], args["x2"], args["nw"], args["h"], args["sx"], args["eps"], w, out, f, k,
                              k_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=args["mode"],
-                             HAS_RES=args["has_res"], ACT=args["act"], K_POW2=1 << (k - 1).bit_length(),
-                             GLU_OUT=act, num_warps=cfg.warps, **_pdl())
+                             HAS_RES=args["has_res"], K_POW2=1 << (k - 1).bit_length(),
+                             GLU_OUT=act, num_warps=cfg.warps, **pdl())
     return out
 
 
 # X_MODE of _dense_gemv_kernel: where its x tiles come from
-_X_PLAIN, _X_NORM, _X_GLU = 0, 1, 2
+_X_PLAIN, _X_NORM = 0, 1
 
 
-def _pdl() -> dict:
-    from lodestar.kernels.triton_quant import pdl
-    return pdl()
-
-
-def _x_args(x: torch.Tensor | PendingNorm | PendingGlu) -> dict:
+def _x_args(x: torch.Tensor | PendingNorm) -> dict:
     """The kernel's x arguments (unused pointers point at x, never read)."""
     if isinstance(x, PendingNorm):
         _need_bf16(x.x)
         has_res = x.residual is not None
         return dict(shape=x.x.shape, dtype=x.x.dtype, x=x.x, x2=x.residual if has_res else x.x, nw=x.weight,
-                    h=x.h, sx=x.x.shape[1], eps=x.eps, mode=_X_NORM, has_res=has_res, act=SILU)
-    if isinstance(x, PendingGlu):
-        _need_bf16(x.gate)
-        gate, up = x.gate, x.up
-        if gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.stride(0) != up.stride(0):
-            gate, up = gate.contiguous(), up.contiguous()
-        return dict(shape=gate.shape, dtype=gate.dtype, x=gate, x2=up, nw=gate, h=gate, sx=gate.stride(0),
-                    eps=0.0, mode=_X_GLU, has_res=False, act=x.act)
+                    h=x.h, sx=x.x.shape[1], eps=x.eps, mode=_X_NORM, has_res=has_res)
     x = x.contiguous()
     return dict(shape=x.shape, dtype=x.dtype, x=x, x2=x, nw=x, h=x, sx=x.shape[1], eps=0.0, mode=_X_PLAIN,
-                has_res=False, act=SILU)
+                has_res=False)
 
 
 def _need_bf16(x: torch.Tensor) -> None:
@@ -293,85 +239,16 @@ def _need_bf16(x: torch.Tensor) -> None:
         raise ValueError(f"a fused x prologue needs bf16 [rows, features]; got {x.dtype} {tuple(x.shape)}")
 
 
-if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
+if triton_enabled():
     @triton.jit
-    def _pdl_enter(PDL: tl.constexpr):
-        """First statement of a kernel launched with ``triton_quant.pdl()``: wait for the
-        previous kernel (all of its memory visible), then allow the next one to launch (PDL
-        == 2: not before this kernel ends; 3: before the wait)."""
-        if PDL == 3:
-            gdc_launch_dependents()
-            gdc_wait()
-        elif PDL:
-            gdc_wait()
-            if PDL != 2:
-                gdc_launch_dependents()
-
-    @triton.jit
-    def _residual_chunk(x_ptr, r_ptr, cols, mask, HAS_RES: tl.constexpr):
-        """x (plus the residual, rounded to x's dtype as the unfused add is) at ``cols``."""
-        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    def _fused_x_tile(x_ptr, x2_ptr, nw_ptr, h_ptr, cols, mask_k, rstd, is_writer, HAS_RES: tl.constexpr):
+        """fp32 x at ``cols``: the RMSNorm of ``x + x2`` rounded to bf16 first exactly as the norm
+        kernel stores it (the writer programs also store ``h = x + x2``)."""
+        x = _residual_chunk(x_ptr, x2_ptr, cols, mask_k, HAS_RES)
         if HAS_RES:
-            r = tl.load(r_ptr + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        return x
-
-    @triton.jit
-    def _rms_rstd(h, eps, D: tl.constexpr):
-        """``1 / rms`` of the fp32 row ``h`` (padding lanes 0), the same bits in every kernel.
-
-        ``tl.sum``'s order of float adds follows the register layout (num_warps, tiling,
-        alignment), so two kernels would round the sum of squares differently. Here the
-        squares, scaled by the row's max, are truncated to 2^-40 units and summed as int64:
-        exact, so any order gives the same total (rounding error at most D * 2^-40 of the
-        largest square, below fp32 accumulation's); the max is exact too."""
-        amax = tl.max(tl.abs(h), 0)
-        inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-        t = h * inv
-        total = tl.sum((t * t * 1099511627776.0).to(tl.int64), 0)               # 2^40
-        ss = total.to(tl.float32) * 9.094947017729282e-13 * amax * amax          # 2^-40
-        return tl.rsqrt(ss / D + eps)
-
-    @triton.jit
-    def _rms_apply(x, rstd, w, OFFSET: tl.constexpr):
-        """Normalized x in x's dtype: ``w * y.to(dtype)`` (Llama) or ``(y * w).to(dtype)``
-        (``OFFSET``, Gemma); ``w`` fp32."""
-        h = x.to(tl.float32) * rstd
-        if OFFSET:
-            y = h * w
-        else:
-            y = w * h.to(x.dtype).to(tl.float32)
-        return y.to(x.dtype)
-
-    @triton.jit
-    def _glu_act(g, u, ACT: tl.constexpr):
-        """``act(g) * u`` in fp32 from fp32 g, u (ACT 0: silu, 1: gelu_tanh)."""
-        if ACT == 0:
-            a = g / (1.0 + tl.exp(-g))
-        else:
-            # 0.5 * (1 + tanh(z)) == sigmoid(2z): no cancellation for negative z
-            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)   # sqrt(2/pi) * (...)
-            a = g / (1.0 + tl.exp(-2.0 * z))
-        return a * u
-
-    @triton.jit
-    def _fused_x_tile(x_ptr, x2_ptr, nw_ptr, h_ptr, cols, mask_k, rstd, is_writer,
-                      X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
-        """fp32 x at ``cols`` computed from its producer's inputs, rounded to bf16 first
-        exactly as that producer's kernel stores it."""
-        if X_MODE == 1:
-            x = _residual_chunk(x_ptr, x2_ptr, cols, mask_k, HAS_RES)
-            if HAS_RES:
-                tl.store(h_ptr + cols, x, mask=mask_k & is_writer)
-            w = tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
-            xv = _rms_apply(x, rstd, w, False).to(tl.float32)
-        else:
-            g = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
-            u = tl.load(x2_ptr + cols, mask=mask_k, other=0.0)
-            xv = _glu_act(g.to(tl.float32), u.to(tl.float32), ACT).to(g.dtype).to(tl.float32)
-        return xv
+            tl.store(h_ptr + cols, x, mask=tl.where(is_writer, mask_k, False))
+        w = tl.load(nw_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+        return _rms_apply(x, rstd, w, False).to(tl.float32)
 
     @triton.jit
     def _dense_w_tile(w_ptr, rows, mask_n, cols, K: tl.constexpr, EVEN: tl.constexpr):
@@ -383,21 +260,21 @@ if triton is not None:
 
     @triton.jit
     def _dense_x_tile(x_row, x2_row, nw_ptr, h_row, cols, rstd, is_writer, K: tl.constexpr, EVEN: tl.constexpr,
-                      X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
+                      X_MODE: tl.constexpr, HAS_RES: tl.constexpr):
         """fp32 x at ``cols`` (0 past K): given, or computed (``_fused_x_tile``)."""
         if X_MODE == 0:
             if EVEN:
                 return tl.load(x_row + cols).to(tl.float32)
             return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        return _fused_x_tile(x_row, x2_row, nw_ptr, h_row, cols, cols < K, rstd, is_writer, X_MODE, HAS_RES, ACT)
+        return _fused_x_tile(x_row, x2_row, nw_ptr, h_row, cols, cols < K, rstd, is_writer, HAS_RES)
 
     @triton.jit
     def _dense_gemv_kernel(x_ptr, x2_ptr, nw_ptr, h_ptr, sx, eps, w_ptr, out_ptr, N, K: tl.constexpr,
                            K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           X_MODE: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, K_POW2: tl.constexpr,
+                           X_MODE: tl.constexpr, HAS_RES: tl.constexpr, K_POW2: tl.constexpr,
                            GLU_OUT: tl.constexpr, PDL: tl.constexpr):
         """X_MODE 0: x given (row stride ``sx``); 1: x = rms_norm(x + x2) with weight nw (h = x +
-        x2 written by the programs of row tile 0); 2: x = act(x) * x2. GLU_OUT -1: out = x @ w.T
+        x2 written by the programs of row tile 0). GLU_OUT -1: out = x @ w.T
         ([M, N], or [SPLIT, M, N] fp32 partials); 0 / 1 (one split; w is [gate; up], 2N rows):
         out [M, N] = act(gate) * up with act silu / gelu_tanh (``dense_gemv_glu``). The first
         weight tile is loaded before ``_pdl_enter``: weights are never written, so under
@@ -428,11 +305,11 @@ if triton is not None:
             row_cols = tl.arange(0, K_POW2)
             xr = _residual_chunk(x_row, x2_row, row_cols, row_cols < K, HAS_RES)
             rstd = _rms_rstd(xr.to(tl.float32), eps, K)
-        xv = _dense_x_tile(x_row, x2_row, nw_ptr, h_row, k0 + lanes, rstd, pid_n == 0, K, EVEN, X_MODE, HAS_RES, ACT)
+        xv = _dense_x_tile(x_row, x2_row, nw_ptr, h_row, k0 + lanes, rstd, pid_n == 0, K, EVEN, X_MODE, HAS_RES)
         acc = w0.to(tl.float32) * xv[None, :]
         for kk in range(BLOCK_K, K_SPLIT, BLOCK_K):
             cols = k0 + kk + lanes
-            xv = _dense_x_tile(x_row, x2_row, nw_ptr, h_row, cols, rstd, pid_n == 0, K, EVEN, X_MODE, HAS_RES, ACT)
+            xv = _dense_x_tile(x_row, x2_row, nw_ptr, h_row, cols, rstd, pid_n == 0, K, EVEN, X_MODE, HAS_RES)
             wv = _dense_w_tile(w_ptr, rows, mask_n, cols, K, EVEN)
             acc += wv.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, axis=1)

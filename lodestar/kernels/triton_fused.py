@@ -4,7 +4,7 @@
     RMSNorm over the last dim of a [A, B, D] view (row strides free, last dim contiguous),
     optionally adding a residual first: ``r = x + residual`` (rounded to the activation
     dtype, as the unfused add would), ``y = norm(r)``; returns ``y`` (and ``r``). Statistics
-    in fp32; the sum of squares is exact (``triton_dense._rms_rstd``, shared with the dense
+    in fp32; the sum of squares is exact (``triton_common._rms_rstd``, shared with the dense
     matrix-vector kernel that can fuse this norm, so both give the same bits). A wide row
     of a small batch is spread over several programs (``SLICE_COLS`` each), every one
     recomputing the scale. ``offset=False``: ``w * y.to(dtype)`` (Llama); ``offset=True``:
@@ -19,11 +19,10 @@
     one rounding.
 ``silu_mul`` / ``gelu_tanh_mul`` [``*_ref``]
     ``act(gate) * up`` over [T, F] views (gate and up may be halves of one fused output),
-    fp32 math, one rounding (``triton_dense._glu_act``, shared with the dense kernel's
-    GLU prologue); ``quantize=True`` as for ``rms_norm``.
+    fp32 math, one rounding (``triton_common._glu_act``); ``quantize=True`` as for ``rms_norm``.
 ``embedding_rows`` [``F.embedding``]
     The rows of a dense table at a few token ids (a decode step's), copied as they are,
-    launched as the decode kernels are (``triton_quant.pdl``), so that it waits in place
+    launched as the decode kernels are (``launch.pdl``), so that it waits in place
     for the kernel before it instead of being launched after it.
 """
 from __future__ import annotations
@@ -31,8 +30,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lodestar.kernels.triton_quant import (GROUP, QuantizedRows, SplitPartials, pdl, prefetch_launch, prefetch_waits,
-                                           triton_enabled)
+from lodestar.kernels.launch import pdl, prefetch_launch, triton_enabled
+from lodestar.kernels.quant_layout import GROUP, QuantizedRows
+from lodestar.kernels.triton_quant import SplitPartials
 
 
 def _pow2(n: int) -> int:
@@ -66,8 +66,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     (fusion ``norm_sum``: the kernel sums them first, as the unfused sum would, in their
     dtype). ``quantize=True`` returns the norm as
     ``QuantizedRows`` (bf16 2-D ``x`` only). ``prefetch``: the next projection's weight
-    arrays, for L2 (``triton_quant.prefetch_launch``; same results). ``launch_next``: the
-    next kernel may launch before this one waits (``triton_quant.pdl``; same results)."""
+    arrays, for L2 (``launch.prefetch_launch``; same results). ``launch_next``: the
+    next kernel may launch before this one waits (``launch.pdl``; same results)."""
     parts, part_stride, dtype = 0, 0, x.dtype
     if isinstance(x, SplitPartials):    # fusion norm_sum: the sum of the K splits first
         parts, part_stride, dtype = x.part.shape[0], x.part[0].numel(), x.dtype
@@ -87,7 +87,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
         x3, res_in, weight, out, res_out, words, d1, sums, B, x3.stride(0), x3.stride(1), res_in.stride(0),
         res_in.stride(1), eps, A * B, *pf, part_stride, D=D, BLOCK=block, SLICE=SLICE_COLS if slices > 1 else block,
         OFFSET=offset, HAS_RES=residual is not None, QUANT=quantize, PARTS=parts, PF=form, PF_LANES=32 * warps,
-        PF_WAIT=prefetch_waits(),
         num_warps=warps, **pdl(launch_next))
     y = QuantizedRows(out, words, d1, sums) if quantize else out
     return (y, res_out) if residual is not None else y
@@ -96,8 +95,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
 # Rows up to which a wide row's norm is spread over programs of SLICE_COLS columns each
 # (a power of two, whole 32-element groups). Every program recomputes the whole row's
 # scale (cheap, from L2) and normalizes its slice: for one 4096-wide row on the H200 the
-# fused norm + quantize took 2.6 us over four programs against 4.6 us in one; 512 or 256
-# columns a program decoded 8B Q4_0 slower (H200 run 23: 510.9 -> 508.4 / 506.1 tok/s).
+# fused norm + quantize took 2.6 us over four programs against 4.6 us in one.
 SLICE_ROWS = 8
 SLICE_COLS = 1024
 
@@ -149,15 +147,13 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
                                  kc.stride(1), vc.stride(0), vc.stride(1), T, *pf,
                                  Hq=hq, Hk=hk, HQ_PAD=_pow2(hq), HK_PAD=_pow2(hk), HALF=half, HALF_PAD=_pow2(half),
                                  D=D, D_PAD=_pow2(D), TAIL=tail, TAIL_PAD=_pow2(max(tail, 1)), STORE_KV=store,
-                                 PF=form, PF_LANES=128, PF_WAIT=prefetch_waits(), num_warps=4, **pdl())
+                                 PF=form, PF_LANES=128, num_warps=4, **pdl())
     return q, k
 
 
 def rope_programs(hq: int, hk: int) -> int:
     """Programs per token of ``_rope_kernel``: one per kv head (its k and v heads and its
-    share of the q heads) when the q heads divide evenly, else one. H200 run 23, one
-    token, against one program: 8B Q4_0 one-stream decode 510.9 -> 513.5 tok/s, Q4_K 503.7
-    -> 508.2, SmolLM2 F16 1,666 -> 1,672."""
+    share of the q heads) when the q heads divide evenly, else one (faster on the H200)."""
     return hk if hq % hk == 0 else 1
 
 
@@ -192,9 +188,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, act: int, quantize: bool, prefetc
     blocks = -(-Fd // block)
     extra, pf, form = prefetch_launch(prefetch, T, blocks, 128)
     _glu_kernel[(T + extra, blocks)](gate, up, out, words, d1, sums, gate.stride(0), up.stride(0), Fd, T, *pf,
-                                     ACT=act, BLOCK=block, QUANT=quantize, PF=form, PF_LANES=128,
-                                     PF_WAIT=prefetch_waits(),
-                                     num_warps=4, **pdl(launch_next))
+                                     ACT=act, BLOCK=block, QUANT=quantize, PF=form, PF_LANES=128, num_warps=4, **pdl(launch_next))
     return QuantizedRows(out, words, d1, sums) if quantize else out
 
 
@@ -247,17 +241,8 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
-    from lodestar.kernels.triton_dense import _glu_act, _pdl_enter, _residual_chunk, _rms_apply, _rms_rstd
-    from lodestar.kernels.triton_quant import _quant_groups, _store_quant_groups, _weight_prefetch
-
-    @triton.jit
-    def _quant_store(words_ptr, d1_ptr, sums_ptr, y, row, g0, D, BLOCK: tl.constexpr):
-        """Quantize the bf16 values ``y [BLOCK]`` (columns ``32 * g0 ..``; groups past D are
-        masked) of row ``row`` as ``quantize_x`` does, into its [rows, D/32] outputs."""
-        GB: tl.constexpr = BLOCK // 32
-        g = g0 + tl.arange(0, GB)
-        w1, w2, d1, sa, sb = _quant_groups(tl.reshape(y.to(tl.float32), (GB, 32)), GB)
-        _store_quant_groups(words_ptr, d1_ptr, sums_ptr, row * (D // 32) + g, g < D // 32, w1, w2, d1, sa, sb)
+    from lodestar.kernels.launch import _pdl_enter, _weight_prefetch
+    from lodestar.kernels.triton_common import _glu_act, _quant_store, _residual_chunk, _rms_apply, _rms_rstd
 
     @triton.jit
     def _norm_store(x, cols, mask, rstd, w, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr, row, g0, D,
@@ -292,7 +277,7 @@ if triton_enabled():
                          B, sx0, sx1, sr0, sr1, eps, ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, part_stride,
                          D: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
                          OFFSET: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PARTS: tl.constexpr,
-                         PF: tl.constexpr, PF_LANES: tl.constexpr, PF_WAIT: tl.constexpr, PDL: tl.constexpr):
+                         PF: tl.constexpr, PF_LANES: tl.constexpr, PDL: tl.constexpr):
         """Row ``program_id(0)``: the scale from the whole row (``_rms_rstd``, which the dense
         matrix-vector kernel uses when it fuses this norm), then columns ``SLICE *
         program_id(1) ..`` normalized (SLICE == BLOCK: the whole row, kept in registers).
@@ -301,7 +286,7 @@ if triton_enabled():
         partials ``part_stride`` apart, summed first (``_summed_chunk``)."""
         if PF:
             if tl.program_id(0) >= ROWS:
-                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
+                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, True, PDL)
             else:
                 _rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, words_ptr, d1_ptr, sums_ptr,
                               B, sx0, sx1, sr0, sr1, eps, part_stride, D, BLOCK, SLICE, OFFSET, HAS_RES, QUANT,
@@ -383,11 +368,11 @@ if triton_enabled():
                      Hq: tl.constexpr, Hk: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, STORE_KV: tl.constexpr, PF: tl.constexpr,
-                     PF_LANES: tl.constexpr, PF_WAIT: tl.constexpr, PDL: tl.constexpr):
+                     PF_LANES: tl.constexpr, PDL: tl.constexpr):
         """Token ``program_id(0)``, kv head group ``program_id(1)``; PF as ``_rms_norm_kernel``."""
         if PF:
             if tl.program_id(0) >= ROWS:
-                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
+                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, True, PDL)
             else:
                 _rope_token(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, sq0, sq1, sk0, sk1, s_cos,
                             v_ptr, kc_ptr, vc_ptr, slot_ptr, sv0, sv1, skc0, skc1, svc0, svc1,
@@ -429,11 +414,11 @@ if triton_enabled():
     def _glu_kernel(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd,
                     ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2,
                     ACT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, PF: tl.constexpr,
-                    PF_LANES: tl.constexpr, PF_WAIT: tl.constexpr, PDL: tl.constexpr):
+                    PF_LANES: tl.constexpr, PDL: tl.constexpr):
         """Token ``program_id(0)``, columns ``BLOCK * program_id(1) ..``; PF as ``_rms_norm_kernel``."""
         if PF:
             if tl.program_id(0) >= ROWS:
-                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, PF_WAIT, PDL)
+                _weight_prefetch(ROWS, a0, n0, c0, a1, n1, c1, a2, n2, c2, PF_LANES, PF, True, PDL)
             else:
                 _glu_block(g_ptr, u_ptr, out_ptr, words_ptr, d1_ptr, sums_ptr, sg, su, Fd, ACT, BLOCK, QUANT, PDL)
         else:
@@ -463,5 +448,5 @@ if triton_enabled():
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = (row >= 0) & (row < V)
         m = cols < D
-        v = tl.load(w_ptr + tl.where(ok, row, 0) * stride_w + cols, mask=m & ok, other=0)
+        v = tl.load(w_ptr + tl.where(ok, row, 0) * stride_w + cols, mask=tl.where(ok, m, False), other=0)
         tl.store(out_ptr + r.to(tl.int64) * D + cols, v, mask=m)

@@ -20,21 +20,17 @@ the host with no copy after the replay (``triton_step_inputs``, whose ``take_inp
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from lodestar.kernels.triton_quant import _num_sms, graph_buffers, pdl, triton_enabled
+from lodestar.kernels.launch import INTERP, graph_buffers, num_sms, pdl, triton_enabled
 
 BLOCK = 4096            # columns per step of a program
 NUM_WARPS = 8
 MAX_CHUNKS = 64         # programs per row at most (a power of two: the combine loads them at once)
 PROGRAMS_PER_SM = 4     # programs per SM the split aims for
 MIN_ROWS = 64           # rows the first workspace on a device holds (the largest decode graph)
-# Kernels run in Triton's interpreter: the loop bound becomes a Python int there
-# (``triton_attention._loop_bound``).
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -50,7 +46,7 @@ class Workspace:
         return self.counters.numel()
 
 
-# Per device (``triton_quant.graph_buffers``).
+# Per device (``launch.graph_buffers``).
 _WORKSPACES: dict[torch.device, list[Workspace]] = {}
 
 
@@ -72,7 +68,7 @@ def split(rows: int, v: int, device: torch.device) -> tuple[int, int]:
     """(columns per program, programs per row): about ``PROGRAMS_PER_SM`` programs per SM
     in all, at most ``MAX_CHUNKS`` per row, each a whole number of ``BLOCK`` steps."""
     blocks = -(-v // BLOCK)
-    want = max(1, min(MAX_CHUNKS, blocks, -(-PROGRAMS_PER_SM * _num_sms(device) // rows)))
+    want = max(1, min(MAX_CHUNKS, blocks, -(-PROGRAMS_PER_SM * num_sms(device) // rows)))
     chunk = -(-blocks // want) * BLOCK
     return chunk, -(-v // chunk)
 
@@ -114,7 +110,7 @@ def greedy_rows(logits: torch.Tensor, out: torch.Tensor, chunk: int | None = Non
         hargs = (out, ws.counters, 0, 0, 0)      # never touched: HOST is off
     _greedy_kernel[(R, chunks)](logits, out, ws.values, ws.index, ws.counters, V, logits.stride(0),
                                 out.stride(0), out.stride(1), chunk // BLOCK, *hargs, BLOCK=BLOCK,
-                                CHUNKS_PAD=MAX_CHUNKS, SPLIT=chunks > 1, INTERP=_INTERP, HOST=host is not None,
+                                CHUNKS_PAD=MAX_CHUNKS, SPLIT=chunks > 1, INTERP=INTERP, HOST=host is not None,
                                 num_warps=NUM_WARPS, **pdl())
 
 
@@ -124,8 +120,7 @@ if triton_enabled():
     import triton
     import triton.language as tl
 
-    from lodestar.kernels.triton_attention import _loop_bound
-    from lodestar.kernels.triton_dense import _pdl_enter
+    from lodestar.kernels.launch import _loop_bound, _pdl_enter
 
     @triton.jit
     def _store_result(out_ptr, row, stride_o0, stride_o1, m, i, has_nan, host_ptr, ctl_ptr, sh_p, sh_0, sh_1,

@@ -31,17 +31,14 @@ between replays. [``take_inputs_ref``]
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from lodestar.kernels.launch import INTERP, pdl, triton_enabled
 from lodestar.kernels.triton_fused import _pow2
-from lodestar.kernels.triton_quant import pdl, triton_enabled
 
 HEADER_BYTES = 16
 # Table elements (rows x columns) read in the first round trip; more columns, one more trip each.
 FIRST_TRIP_ELEMENTS = 4096
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def stage_bytes(size: int, input_bytes: int) -> int:
@@ -88,7 +85,7 @@ def take_inputs(host: torch.Tensor, ctl: torch.Tensor, raw: torch.Tensor, ids: t
     _take_inputs_kernel[(1,)](host.view(torch.int32), ctl, raw.view(torch.int32), ids.view(torch.int32),
                               STAGE_WORDS=host.shape[1] // 4, SIZE=size, SIZE_PAD=_pow2(size),
                               MAXB=max_blocks, FIXED=fixed, FIXED_PAD=_pow2(fixed), IDS_PAD=_pow2(2 * size),
-                              WC=wc, INTERP=_INTERP, EARLY=pdl()["PDL"] is not False, num_warps=4)
+                              WC=wc, INTERP=INTERP, EARLY=pdl()["PDL"] is not False, num_warps=4)
 
 
 def take_inputs_ref(host: torch.Tensor, ctl: torch.Tensor, raw: torch.Tensor, ids: torch.Tensor, size: int,
@@ -113,10 +110,9 @@ def take_inputs_ref(host: torch.Tensor, ctl: torch.Tensor, raw: torch.Tensor, id
 if triton_enabled():
     import triton
     import triton.language as tl
-
     from triton.language.extra.cuda import gdc_launch_dependents
 
-    from lodestar.kernels.triton_attention import _loop_bound
+    from lodestar.kernels.launch import _loop_bound
 
     @triton.jit
     def _take_inputs_kernel(host_ptr, ctl_ptr, raw_ptr, ids_ptr, STAGE_WORDS: tl.constexpr, SIZE: tl.constexpr,
@@ -125,7 +121,7 @@ if triton_enabled():
                             INTERP: tl.constexpr, EARLY: tl.constexpr = False):
         """All of ``take_inputs`` in int32 words: header at 0, ids at 4, the input buffer at
         4 + 2 * SIZE (FIXED words, then SIZE x MAXB table words). EARLY: the next kernel
-        (launched as ``triton_quant.pdl`` launches, so it waits for this one to end) may
+        (launched as ``launch.pdl`` launches, so it waits for this one to end) may
         launch at once."""
         if EARLY:
             gdc_launch_dependents()
@@ -149,7 +145,7 @@ if triton_enabled():
         tv = tl.load(src + FIXED + r * MAXB + c, mask=tmask, other=0, cache_modifier=".cv")
         tl.store(raw_ptr + kf, fv, mask=fmask)
         tl.store(raw_ptr + FIXED + r * MAXB + c, tv, mask=tmask)
-        tl.store(ids_ptr + ki, idv, mask=kmask & (host_ids != 0))
+        tl.store(ids_ptr + ki, idv, mask=tl.where(host_ids != 0, kmask, False))
         for c0 in range(WC, _loop_bound(width, INTERP), WC):      # only tables wider than a trip
             cc = c0 + c
             m = (r < SIZE) & (cc < width) & (cc < MAXB)

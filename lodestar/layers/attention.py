@@ -11,24 +11,20 @@ them out that way where it can), else a gather of its blocks. Both give the same
 On a CUDA device the batch also carries ``gpu`` (``GpuAttentionMeta``: device copies of
 the slots, block tables and lengths) and attention goes to
 ``lodestar.kernels.triton_attention``: a paged Triton decode kernel when every sequence
-has one new token, gather + SDPA otherwise. In a decode step the kernel can also take
-this step's un-rotated q/k/v and do the RoPE and the KV store itself
-(``decode_new_tokens``, fusion ``attn_rope``); otherwise ``RotaryEmbedding.rotate_and_store``
-does them first. For an output projection that takes quantized rows the decode kernel can
-also quantize its output (``paged_attention(quantize=True)``, fusion ``attn_quant``).
+has one new token, the paged prefill kernel (or SDPA) otherwise. For an output projection
+that takes quantized rows the decode kernel can also quantize its output
+(``paged_attention(quantize=True)``, fusion ``attn_quant``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from lodestar.kernels.triton_attention import NewTokens
-    from lodestar.kernels.triton_quant import QuantizedRows
-    from lodestar.layers.rotary import RotaryEmbedding
+from lodestar.kernels import triton_attention as ta
+from lodestar.kernels.policy import active
+from lodestar.kernels.quant_layout import GROUP, QuantizedRows, quantizable
 
 
 @dataclass
@@ -181,21 +177,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float,
-                    sliding_window: int | None = None, new: NewTokens | None = None,
-                    quantize: bool = False) -> torch.Tensor | QuantizedRows:
+                    sliding_window: int | None = None, quantize: bool = False) -> torch.Tensor | QuantizedRows:
     """Attention of new queries ``q [T, Hq, D]`` over each sequence's cached context.
 
-    Returns ``[T, Hq, Dv]``. The new tokens' K/V must already be written to the cache,
-    unless ``new`` (``decode_new_tokens``: a GPU decode step, fusion ``attn_rope``) is given:
-    then q is not rotated yet and the decode kernel rotates it and k and stores k and v.
+    Returns ``[T, Hq, Dv]``. The new tokens' K/V must already be written to the cache.
     ``quantize`` (the caller's output projection takes ``QuantizedRows``): a GPU decode step
     with fusion ``attn_quant`` on, bf16 output and ``quantizable`` rows returns
     ``QuantizedRows`` ``[T, Hq * Dv]`` (the kernel quantized its output); otherwise as above.
     """
     if batch.gpu is not None:
-        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window, new, quantize)
-    if new is not None:
-        raise ValueError("paged_attention(new=...) is for GPU decode steps only")
+        return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window, quantize)
     plans = batch._seq_plans(sliding_window)
     q = q.contiguous()
     if len(plans) == 1:
@@ -245,38 +236,15 @@ def _is_decode(batch: AttentionBatch) -> bool:
     return max(batch.query_lens_list) == 1
 
 
-def decode_new_tokens(batch: AttentionBatch, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      rope: RotaryEmbedding) -> NewTokens | None:
-    """``triton_attention.NewTokens`` for a decode kernel that applies RoPE (``rope``'s
-    tables) to this step's un-rotated q and k and stores k and v itself
-    (fusion ``attn_rope``), or None when the step takes the separate RoPE + KV-store kernel:
-    not on the GPU, not a decode step, the fusion off, or a partial rotary dim / q not in
-    the caches' dtype (``triton_attention.rope_fusable``)."""
-    if batch.gpu is None or not _is_decode(batch) or q.shape[0] != batch.num_seqs:
-        return None
-    from lodestar.kernels import triton_attention as ta
-    from lodestar.kernels.triton_quant import fusions
-    if "attn_rope" not in fusions() or not ta.rope_fusable(q, k, v, k_cache, v_cache, rope.rotary_dim):
-        return None
-    return ta.NewTokens(k, v, positions, batch.gpu.slot_mapping, rope.cos, rope.sin)
-
-
 def _gpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-                   scale: float, sliding_window: int | None, new: NewTokens | None = None,
-                   quantize: bool = False) -> torch.Tensor | QuantizedRows:
-    from lodestar.kernels import triton_attention as ta
-    if new is None:
-        q = q.to(k_cache.dtype)
+                   scale: float, sliding_window: int | None, quantize: bool = False) -> torch.Tensor | QuantizedRows:
+    q = q.to(k_cache.dtype)
     if _is_decode(batch):
         g = batch.gpu
         if quantize:
-            from lodestar.kernels.triton_quant import GROUP, fusions, quantizable
             T, Hq, D = q.shape
-            quantize = ("attn_quant" in fusions() and q.dtype == torch.bfloat16 and D % GROUP == 0
+            quantize = ("attn_quant" in active().fusions and q.dtype == torch.bfloat16 and D % GROUP == 0
                         and quantizable(T, Hq * D))
         return ta.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, batch.block_size, scale,
-                                   sliding_window, g.max_partitions, g.splits, new=new, quantize=quantize)
-    if new is not None:
-        raise ValueError("paged_attention(new=...) is for decode steps (one new token per sequence) only")
+                                   sliding_window, g.max_partitions, g.splits, quantize=quantize)
     return ta.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window)

@@ -13,8 +13,8 @@ Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K  ``CudaQuantLinear``: GGUF blocks repacked on
                                     bf16 and run one cuBLAS matmul
 F16, BF16, F32                      ``CudaDenseLinear`` over a bf16 copy (one bf16
                                     row runs the Triton matrix-vector kernel, which
-                                    may compute x itself: ``PendingNorm`` or
-                                    ``PendingGlu`` from ``triton_dense``; a gate|up
+                                    may compute x itself: ``PendingNorm`` from
+                                    ``triton_dense``; a gate|up
                                     projection may apply the gated activation to
                                     its own output: ``forward_glu``)
 Q5_0, Q5_1, Q2_K, Q3_K              ``CudaDenseLinear`` dequantized to bf16 at load
@@ -32,15 +32,20 @@ in full every step and its bytes are what decode speed pays for.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 from torch import nn
 
+# kernel modules import without Triton; their kernels run only on CUDA
 from lodestar.kernels import dequant as dq
-from lodestar.kernels import triton_dense as _td   # imports without Triton; runs only on CUDA
+from lodestar.kernels import gemv_tiling as gt
+from lodestar.kernels import triton_dense as _td
+from lodestar.kernels import triton_quant as tq
+from lodestar.kernels.launch import SMALL_M_MAX, side_prefetch
+from lodestar.kernels.policy import active
+from lodestar.kernels.quant_layout import GPU_QUANT_TYPES, GROUP, QuantizedRows, pack
+from lodestar.kernels.triton_fused import embedding_rows, gelu_tanh_mul, silu_mul
 
 T = GGMLQuantizationType
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -51,11 +56,6 @@ def compute_dtype(mode: str) -> torch.dtype:
     return torch.float32 if mode == "fp32" else torch.bfloat16
 
 
-def _gpu_types():
-    from lodestar.kernels.triton_quant import GPU_QUANT_TYPES
-    return GPU_QUANT_TYPES
-
-
 def dense_weight(qtype: GGMLQuantizationType, data: torch.Tensor, rows: int, cols: int,
                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """GGUF bytes -> dense [rows, cols] ``dtype`` on ``device`` (dequantized on the device when it can)."""
@@ -64,9 +64,9 @@ def dense_weight(qtype: GGMLQuantizationType, data: torch.Tensor, rows: int, col
         raw = data.to(device).reshape(-1)
         view = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qtype]
         return raw.view(view).reshape(rows, cols).to(dtype).contiguous()
-    if qtype in _gpu_types() and device.type == "cuda":
-        from lodestar.kernels import triton_quant as tq
-        return tq.dequantize_packed(tq.pack(qtype, data.to(device), rows, cols), dtype)
+    if qtype in GPU_QUANT_TYPES and device.type == "cuda":
+        return tq.dequantize_packed(pack(qtype, data.to(device), rows, cols, gt.kquant_scales(qtype, rows, cols, device)),
+                                    dtype)
     return dq.dequantize(data.cpu(), qtype, (rows, cols)).to(device=device, dtype=dtype)
 
 
@@ -76,11 +76,10 @@ class CudaQuantLinear(nn.Module):
     def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor, in_features: int,
                  out_features: int, device: torch.device) -> None:
         super().__init__()
-        from lodestar.kernels import triton_quant as tq
-        self._tq = tq
         self.qtype = T(int(qtype))
         self.in_features, self.out_features = in_features, out_features
-        self.weight = tq.pack(self.qtype, data.to(device), out_features, in_features)
+        self.weight = pack(self.qtype, data.to(device), out_features, in_features,
+                           gt.kquant_scales(self.qtype, out_features, in_features, device))
         tq.reserve_tile_counters(self.weight)       # before any CUDA-graph capture
         self.out_dtype: torch.dtype | None = None   # None: x's dtype; the head sets float32
 
@@ -90,47 +89,44 @@ class CudaQuantLinear(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         """``x``: a tensor [..., in_features], ``QuantizedRows`` [rows, in_features], or a
-        ``triton_dense.PendingNorm`` of such rows (computed in the kernel when it can)."""
-        if isinstance(x, self._tq.QuantizedRows):
-            return self._tq.quant_matmul(x, self.weight, self.out_dtype)
+        ``triton_dense.PendingNorm`` (computed first)."""
+        if isinstance(x, QuantizedRows):
+            return tq.quant_matmul(x, self.weight, self.out_dtype)
         if isinstance(x, _td.PendingNorm):
-            if x.x.dim() == 2 and x.x.shape[0] <= self._tq.SMALL_M_MAX:
-                return self._tq.quant_matmul(x, self.weight, self.out_dtype)
             x = x.materialize()
         x2 = x.reshape(-1, self.in_features)
-        y = self._tq.matmul(x2, self.weight, self.out_dtype)
+        y = tq.matmul(x2, self.weight, self.out_dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def forward_partials(self, x):
         """``forward`` of ``QuantizedRows``, leaving the sum of a K-split tiling's partial products
         to the kernel that reads them (``triton_quant.SplitPartials``; fusion ``norm_sum``);
         a tiling without K splits returns the product itself."""
-        if isinstance(x, self._tq.QuantizedRows):
-            return self._tq.quant_matmul(x, self.weight, self.out_dtype, defer_sum=True)
+        if isinstance(x, QuantizedRows):
+            return tq.quant_matmul(x, self.weight, self.out_dtype, defer_sum=True)
         return self.forward(x)
 
     def forward_glu_quant(self, x, ffn: int, act: int):
         """This gate|up projection (gate rows, then up rows, ``ffn`` each) with the gated
         activation (``triton_dense.SILU`` / ``GELU_TANH``) applied to its output and quantized
         for the next projection in the same kernel (``triton_quant.quant_glu``): a
-        ``QuantizedRows`` of [rows, ffn]. Only where ``takes_glu_quant``."""
-        return self._tq.quant_glu(x, self.weight, ffn, act)
+        ``QuantizedRows`` of [rows, ffn]. Only where ``gemv_tiling.glu_epilogue_ok``."""
+        return tq.quant_glu(x, self.weight, ffn, act)
 
     def rope_store(self, x, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_k: int, head_dim: int):
         """A ``triton_quant.RopeStore`` with which ``forward_rope`` runs rows like ``x`` (this being a
         q|k|v projection of ``n_q + 2 * n_k`` rows, heads of ``head_dim``, in the caches' dtype),
         or None when the kernel cannot (fusion ``qkv_rope`` off, another tiling, too many rows)."""
-        tq = self._tq
         if (not _rope_inputs_ok(x, k_cache, v_cache, self.out_dtype)
-                or not tq.rope_epilogue_ok(self.weight, x.shape[0], head_dim, n_q, n_k)):
+                or not gt.rope_epilogue_ok(self.weight, x.shape[0], head_dim, n_q, n_k)):
             return None
         return tq.RopeStore(positions, slots, cos, sin, k_cache, v_cache, n_q, n_k, head_dim)
 
     def forward_rope(self, x, rope) -> torch.Tensor:
         """``forward`` whose kernel also rotates q and k and stores k and v (``rope``, from
         ``rope_store``); returns the whole q|k|v output [rows, out_features]."""
-        return self._tq.quant_matmul(x, self.weight, self.out_dtype, rope=rope)
+        return tq.quant_matmul(x, self.weight, self.out_dtype, rope=rope)
 
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, cuda"
@@ -139,9 +135,8 @@ class CudaQuantLinear(nn.Module):
 def _rope_inputs_ok(x, k_cache: torch.Tensor, v_cache: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
     """The fusion ``qkv_rope`` is on and rows ``x`` (a tensor or ``QuantizedRows``) can feed a
     q|k|v kernel that stores into these caches: 2-D, in the caches' dtype, as the output."""
-    from lodestar.kernels import triton_quant as tq
-    dtype = x.x.dtype if isinstance(x, tq.QuantizedRows) else x.dtype
-    return ("qkv_rope" in tq.fusions() and len(x.shape) == 2 and k_cache.dtype == dtype
+    dtype = x.x.dtype if isinstance(x, QuantizedRows) else x.dtype
+    return ("qkv_rope" in active().fusions and len(x.shape) == 2 and k_cache.dtype == dtype
             and v_cache.dtype == dtype and out_dtype in (None, dtype))
 
 
@@ -157,8 +152,6 @@ class CudaQuantStack(nn.Module):
         super().__init__()
         if len({p.in_features for p in parts}) != 1 or not all(isinstance(p, CudaQuantLinear) for p in parts):
             raise ValueError("a stack takes packed projections of one input width")
-        from lodestar.kernels import triton_quant as tq
-        self._tq = tq
         self.parts = nn.ModuleList(parts)
         self.in_features = parts[0].in_features
         self.row0s = [sum(p.out_features for p in parts[:i]) for i in range(len(parts))]
@@ -171,25 +164,23 @@ class CudaQuantStack(nn.Module):
 
     def _writes_in_place(self, rows: int) -> bool:
         """Each part's kernel can write its columns of one output for ``rows`` rows."""
-        tq = self._tq
-        if not 0 < rows <= tq.SMALL_M_MAX or self.in_features % tq.GROUP:
+        if not 0 < rows <= SMALL_M_MAX or self.in_features % GROUP:
             return False
         for p, r0 in zip(self.parts, self.row0s):
-            cfg = tq.gemv_config(p.weight.n, p.weight.k, p.weight.device, p.weight.qtype)
-            if not (cfg.words and p.weight.qtype in tq.WORDS_CAPABLE and r0 % cfg.block_n == 0):
+            cfg = gt.gemv_config(p.weight.n, p.weight.k, p.weight.device, p.weight.qtype)
+            if not (cfg.words and p.weight.qtype in gt.WORDS_CAPABLE and r0 % cfg.block_n == 0):
                 return False
         return True
 
     def _quantized(self, x):
         """``x`` as ``QuantizedRows`` when the parts can write in place, else None."""
-        tq = self._tq
         if isinstance(x, _td.PendingNorm):
             x = x.materialize()
-        if isinstance(x, tq.QuantizedRows):
+        if isinstance(x, QuantizedRows):
             return x if self._writes_in_place(x.shape[0]) else None
         if x.dim() != 2 or x.dtype != torch.bfloat16 or not self._writes_in_place(x.shape[0]):
             return None
-        return tq.QuantizedRows(x, *tq.quantize_x(x.contiguous()))
+        return QuantizedRows(x, *tq.quantize_x(x.contiguous()))
 
     def forward(self, x) -> torch.Tensor:
         """As ``CudaQuantLinear.forward``: a tensor [..., in_features], ``QuantizedRows`` or a
@@ -205,9 +196,8 @@ class CudaQuantStack(nn.Module):
                    k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_k: int, head_dim: int):
         """``CudaQuantLinear.rope_store`` for a q|k|v stack: a ``triton_quant.RopeStore`` when
         every part's kernel can rotate and store its rows, else None."""
-        tq = self._tq
         if (not _rope_inputs_ok(x, k_cache, v_cache, self.out_dtype) or not self._writes_in_place(x.shape[0])
-                or not all(tq.rope_epilogue_ok(p.weight, x.shape[0], head_dim, n_q, n_k, n_out=self.out_features)
+                or not all(gt.rope_epilogue_ok(p.weight, x.shape[0], head_dim, n_q, n_k, n_out=self.out_features)
                            for p in self.parts)):
             return None
         return tq.RopeStore(positions, slots, cos, sin, k_cache, v_cache, n_q, n_k, head_dim)
@@ -224,135 +214,46 @@ class CudaQuantStack(nn.Module):
         """Each part's kernel over ``QuantizedRows`` writing its columns of one output."""
         out = torch.empty(xq.shape[0], self.out_features, device=xq.x.device, dtype=self.out_dtype or xq.x.dtype)
         for p, r0 in zip(self.parts, self.row0s):
-            self._tq.quant_matmul(xq, p.weight, out.dtype, out=out, row0=r0, rope=rope)
+            tq.quant_matmul(xq, p.weight, out.dtype, out=out, row0=r0, rope=rope)
         return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, cuda"
 
 
-def takes_quantized_input(module: object) -> bool:
-    """Whether ``module`` accepts ``QuantizedRows`` (a fused producer may quantize for it)."""
-    return isinstance(module, (CudaQuantLinear, CudaQuantStack))
-
-
-def takes_pending_input(module: object, x: torch.Tensor) -> bool:
-    """Whether ``module`` runs rows like ``x`` (the residual stream: row count, dtype,
-    device) through the dense matrix-vector kernel and is small enough
-    (``triton_dense.FUSE_MAX_WEIGHT``) that the RMSNorm or gated activation feeding it is
-    best left to that kernel (``triton_dense.PendingNorm`` / ``PendingGlu``)."""
-    return (isinstance(module, CudaDenseLinear) and module.weight.numel() <= _td.FUSE_MAX_WEIGHT
-            and module.runs_gemv(x))
-
-
-def takes_norm_prologue(module: object, x: torch.Tensor) -> bool:
-    """Whether ``module`` is a packed projection whose word-tile kernel computes the RMSNorm
-    feeding it for rows like ``x`` (bf16, on the GPU) in its own prologue (fusion
-    ``quant_norm``, ``triton_quant.norm_prologue_ok``)."""
-    if not (isinstance(module, CudaQuantLinear) and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16):
-        return False
-    from lodestar.kernels.triton_quant import norm_prologue_ok
-    return norm_prologue_ok(module.weight, x.shape[0])
-
-
-def takes_glu_epilogue(module: object, x) -> bool:
-    """Whether ``module`` is a dense gate|up projection whose matrix-vector kernel applies the
-    gated activation to its own output for rows like ``x`` (a tensor or a
-    ``triton_dense.PendingNorm``): ``CudaDenseLinear.forward_glu`` in one kernel (fusion
-    ``glu_epilogue``)."""
-    return isinstance(module, CudaDenseLinear) and module.fuses_glu(x)
-
-
-def takes_glu_quant(module: object, x, ffn: int) -> bool:
-    """Whether ``module`` is a packed gate|up projection (2 * ``ffn`` rows) that applies the
-    gated activation to its own output and quantizes it for down, for rows like ``x``
-    (``QuantizedRows`` or a bf16 tensor; fusion ``glu_quant``, ``triton_quant.glu_epilogue_ok``)."""
-    if not isinstance(module, CudaQuantLinear) or len(x.shape) != 2:
-        return False
-    from lodestar.kernels.triton_quant import fusions, glu_epilogue_ok
-    return "glu_quant" in fusions() and glu_epilogue_ok(module.weight, x.shape[0], ffn)
-
-
-PREFETCH_SITES = ("qkv", "o", "gate_up", "down", "head")
-
-
-def prefetch_sites() -> frozenset[str]:
-    """Projections whose weights the kernel before them asks L2 for (env
-    ``LODESTAR_WEIGHT_PREFETCH_SITES``, a comma list of ``PREFETCH_SITES``; unset: all)."""
-    env = os.environ.get("LODESTAR_WEIGHT_PREFETCH_SITES", "").strip()
-    sites = frozenset(s.strip() for s in env.split(",") if s.strip()) if env else frozenset(PREFETCH_SITES)
-    if not sites <= set(PREFETCH_SITES):
-        raise ValueError(f"LODESTAR_WEIGHT_PREFETCH_SITES={env!r}; use a comma list of {', '.join(PREFETCH_SITES)}")
-    return sites
-
-
-# Types whose down projection launches before the activation kernel ahead of it waits (unless
-# LODESTAR_PDL_EARLY says otherwise; see ``launch_early``).
-EARLY_DOWN_TYPES = (T.Q4_K,)
-
-
-def launch_early(site: str, module: object = None, rows: int = 0) -> bool:
-    """Whether the small kernel before projection ``site`` (one of ``PREFETCH_SITES``;
-    ``module`` for ``rows`` rows) lets that projection's kernel launch before its own wait
-    (``triton_quant.pdl(launch_next=True)``): the projection's programs become resident
-    while the kernel before the small one drains, and read the weights they read before
-    their wait then. Env ``LODESTAR_PDL_EARLY``, a comma list of sites or ``none``; unset:
-    the quantized projections whose programs read all their weights before the wait
-    (``triton_quant.loads_all_before_wait``: at 8B, the q|k|v of Q4_0 and Q4_K), and a
-    down projection of a type in ``EARLY_DOWN_TYPES``. Read at each call; same bits either
-    way.
-
-    H200, 8B one-stream decode, same tokens on every side: run 67, Q4_0 559.9 -> 564.4
-    tok/s with q|k|v (gate|up 559.1; all of q|k|v, gate|up, down and the head 567.5); run
-    68, q|k|v with down and the head 565.1, with down 565.0, with the head 564.2; Q4_K
-    (whose q|k|v tiles are not whole rows) 535.0 -> 529.9 with q|k|v, 536.7 with down. With
-    Q4_K's q|k|v in whole rows, down launched early too (after the SiLU·mul kernel): run 154
-    585.2 / 585.1 -> 586.8, run 158 586.6 / 586.5 -> 587.7 / 587.9; Q4_K_M 536.6 / 535.4 ->
-    535.2 / 536.0, Q5_K_M 457.4 / 457.2 -> 456.8 / 456.5, Q8_0 404.0 / 403.8 -> 404.3 / 403.9
-    (run 158), hence Q4_K only."""
-    env = os.environ.get("LODESTAR_PDL_EARLY", "").strip()
-    if not env:
-        from lodestar.kernels.triton_quant import loads_all_before_wait
-        if isinstance(module, CudaQuantStack):     # its first part's kernel follows the small one
-            module = module.parts[0]
-        if not isinstance(module, CudaQuantLinear):
-            return False
-        return loads_all_before_wait(module.weight, rows) or (site == "down" and module.qtype in EARLY_DOWN_TYPES)
-    sites = frozenset(s.strip() for s in env.split(",") if s.strip())
-    if not sites <= set(PREFETCH_SITES) | {"none"}:
-        raise ValueError(f"LODESTAR_PDL_EARLY={env!r}; use none or a comma list of {', '.join(PREFETCH_SITES)}")
-    return site in sites
-
-
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _SIDE_PENDING: set[torch.device] = set()
 
 
-def fork_side_prefetch(module: object, rows: int) -> bool:
-    """Ask L2 for the first bytes of a quantized projection's weights
-    (``triton_quant.side_prefetch``, ``side_prefetch_limit()`` bytes) from a second stream
+def weight_arrays(module: object) -> list[torch.Tensor] | None:
+    """The GPU weight arrays of a projection (``CudaQuantLinear``: codes and scales;
+    ``CudaDenseLinear``: the matrix; a stack or a list of projections: all of theirs, in
+    order), for a kernel before it to ask L2 for; None for anything else."""
+    if isinstance(module, (list, nn.ModuleList)):
+        arrays = [a for m in module for a in (weight_arrays(m) or [])]
+        return arrays or None
+    if isinstance(module, CudaQuantLinear):
+        w = module.weight
+        return [t for t in (w.codes, w.d, w.high, w.dmin, w.sc, w.m) if t is not None]
+    if isinstance(module, CudaQuantStack):
+        return weight_arrays(list(module.parts))
+    if isinstance(module, CudaDenseLinear):
+        return [module.weight]
+    return None
+
+
+def fork_side_prefetch(arrays: list[torch.Tensor]) -> None:
+    """Ask L2 for the first bytes of ``arrays`` (``launch.side_prefetch``) from a second stream
     forked from the current one here, so that no kernel of the current stream waits for it;
-    ``join_side_prefetch`` joins it back (required before a CUDA-graph capture ends). False
-    (nothing launched) when off, for more ``rows`` than a decode step's matrix-vector
-    kernels take, for dense weights, or for weights the small kernel before the projection
-    prefetches whole (``prefetch_launch``: at most ``weight_prefetch_limit()`` bytes)."""
-    from lodestar.kernels.triton_quant import SMALL_M_MAX, side_prefetch, side_prefetch_limit, weight_prefetch_limit
-    mods = list(module) if isinstance(module, (list, nn.ModuleList)) else [module]
-    limit = side_prefetch_limit()
-    if limit <= 0 or rows > SMALL_M_MAX or not all(isinstance(m, (CudaQuantLinear, CudaQuantStack)) for m in mods):
-        return False
-    arrays = prefetch_arrays(module)
-    if not arrays or sum(a.numel() * a.element_size() for a in arrays) <= weight_prefetch_limit():
-        return False
+    ``join_side_prefetch`` joins it back (required before a CUDA-graph capture ends)."""
     dev = arrays[0].device
     side = _SIDE_STREAMS.get(dev)
     if side is None:
         side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
-        side_prefetch(arrays, limit)
+        side_prefetch(arrays)
     _SIDE_PENDING.add(dev)
-    return True
 
 
 def join_side_prefetch() -> None:
@@ -362,30 +263,9 @@ def join_side_prefetch() -> None:
         _SIDE_PENDING.discard(dev)
 
 
-def prefetch_arrays(module: object, site: str | None = None) -> list[torch.Tensor] | None:
-    """The GPU weight arrays of a projection (``CudaQuantLinear``: codes and scales;
-    ``CudaDenseLinear``: the matrix; a list of projections: all of theirs, in order) for
-    a kernel running before it to ask L2 for (``triton_quant.prefetch_launch``); None for
-    anything else, with the prefetch off, or for a ``site`` not in ``prefetch_sites()``."""
-    from lodestar.kernels.triton_quant import weight_prefetch_limit
-    if weight_prefetch_limit() <= 0 or (site is not None and site not in prefetch_sites()):
-        return None
-    if isinstance(module, (list, nn.ModuleList)):
-        arrays = [a for m in module for a in (prefetch_arrays(m) or [])]
-        return arrays or None
-    if isinstance(module, CudaQuantLinear):
-        w = module.weight
-        return [t for t in (w.codes, w.d, w.high, w.dmin, w.sc, w.m) if t is not None]
-    if isinstance(module, CudaQuantStack):
-        return prefetch_arrays(module.parts)
-    if isinstance(module, CudaDenseLinear):
-        return [module.weight]
-    return None
-
-
 class CudaDenseLinear(nn.Module):
     """``y = x @ W.T`` with W dense (bf16 or fp32); y in x's dtype. ``x`` may also be a
-    ``triton_dense.PendingNorm`` / ``PendingGlu``, computed inside the matrix-vector kernel
+    ``triton_dense.PendingNorm``, computed inside the matrix-vector kernel
     when it runs (else materialized first). A gate|up projection (gate rows, then as many
     up rows) also has ``forward_glu``: ``act(gate) * up`` in one kernel for one row."""
 
@@ -406,9 +286,8 @@ class CudaDenseLinear(nn.Module):
                 and x.numel() <= _td.MAX_ROWS * x.shape[-1] and _td.enabled())
 
     def forward(self, x) -> torch.Tensor:
-        if isinstance(x, (_td.PendingNorm, _td.PendingGlu)):
-            rows = x.x if isinstance(x, _td.PendingNorm) else x.gate
-            if rows.dim() == 2 and self.runs_gemv(rows):
+        if isinstance(x, _td.PendingNorm):
+            if x.x.dim() == 2 and self.runs_gemv(x.x):
                 return _td.dense_gemv(x, self.weight, config=self.gemv_config)
             x = x.materialize()
         if x.dtype == self.weight.dtype:
@@ -423,9 +302,8 @@ class CudaDenseLinear(nn.Module):
         """``forward_glu`` runs rows like ``x`` (tensor or ``PendingNorm``) as one kernel:
         the weight is small (``triton_dense.FUSE_MAX_WEIGHT``), the rows go through the
         matrix-vector kernel (``runs_gemv``) and its tiling for this weight can apply the
-        activation (``triton_dense.glu_epilogue_fits``: one K split). H200, one-stream decode
-        (run 20, same tokens): SmolLM2-135M 1,508 -> 1,612 tok/s with it, the 8B's gate|up
-        (117M weights) 254.8 -> 247.3, so large weights keep the separate activation kernel."""
+        activation (``triton_dense.glu_epilogue_fits``: one K split). Large weights keep the
+        separate activation kernel (slower fused on the H200)."""
         if isinstance(x, _td.PendingNorm):
             if x.x.dim() != 2:
                 return False
@@ -445,26 +323,12 @@ class CudaDenseLinear(nn.Module):
                 return _td.dense_gemv_glu(x, self.weight, act, self.gemv_config)
             y = _td.dense_gemv_glu(x.reshape(-1, self.in_features), self.weight, act, self.gemv_config)
             return y.view(*x.shape[:-1], self.out_features // 2)
-        from lodestar.layers.activation import gelu_tanh_mul, silu_mul
         gate, up = self(x).split(self.out_features // 2, dim=-1)
         return (silu_mul if act == _td.SILU else gelu_tanh_mul)(gate, up)
 
 
 # Token ids (a decode step's) whose rows ``CudaEmbedding`` copies with its own kernel.
 EMBED_KERNEL_MAX_IDS = 64
-
-
-def embed_kernel_on() -> bool:
-    """Whether a decode step's embedding runs ``triton_fused.embedding_rows`` (env
-    ``LODESTAR_EMBED_KERNEL``, unset or 1; 0: ``F.embedding``; the same rows; read at each call).
-    Launched as the decode kernels are, it waits in place for the graph's input kernel
-    (``triton_step_inputs``) instead of being launched after it. H200 run 161, one stream,
-    same tokens, against ``F.embedding``: 8B Q4_K 588.4 / 588.2 -> 588.8 / 589.2 tok/s,
-    SmolLM2-135M F16 1,786.3 / 1,780.3 -> 1,789.2 / 1,789.6."""
-    env = os.environ.get("LODESTAR_EMBED_KERNEL", "1").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"LODESTAR_EMBED_KERNEL={env!r}; use 0 or 1")
-    return env != "0"
 
 
 class CudaEmbedding(nn.Module):
@@ -478,12 +342,11 @@ class CudaEmbedding(nn.Module):
         self.register_buffer("weight", dense_weight(self.qtype, data, num_embeddings, dim, compute_dtype(mode), device),
                              persistent=False)
         # The bytes, kept only until the tied head (if any) is built from them.
-        self._data = data if mode == "packed" and self.qtype in _gpu_types() else None
+        self._data = data if mode == "packed" and self.qtype in GPU_QUANT_TYPES else None
         self._head: nn.Module | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.is_cuda and ids.dtype == torch.int64 and ids.numel() <= EMBED_KERNEL_MAX_IDS and embed_kernel_on():
-            from lodestar.kernels.triton_fused import embedding_rows
+        if ids.is_cuda and ids.dtype == torch.int64 and ids.numel() <= EMBED_KERNEL_MAX_IDS:
             return embedding_rows(ids, self.weight)
         return F.embedding(ids, self.weight)
 
@@ -503,7 +366,7 @@ class CudaEmbedding(nn.Module):
 
 def packs(qtype: GGMLQuantizationType | int, mode: str) -> bool:
     """Whether ``make_linear`` keeps a weight of ``qtype`` packed (a ``CudaQuantLinear``)."""
-    return mode == "packed" and T(int(qtype)) in _gpu_types()
+    return mode == "packed" and T(int(qtype)) in GPU_QUANT_TYPES
 
 
 def make_linear(qtype: GGMLQuantizationType | int, data: torch.Tensor, in_features: int, out_features: int,

@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lodestar.kernels.triton_dense import PendingNorm
+from lodestar.kernels.triton_fused import rms_norm
+from lodestar.kernels.triton_quant import SplitPartials
+
 
 class RMSNorm(nn.Module):
     """Llama-style RMSNorm: ``weight * (x / rms(x))`` computed in fp32."""
@@ -15,13 +19,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, quantize: bool = False, prefetch: list[torch.Tensor] | None = None,
                 launch_next: bool = False):
-        """``quantize`` (GPU, bf16 [rows, D]): return the norm as ``triton_quant.QuantizedRows``,
+        """``quantize`` (GPU, bf16 [rows, D]): return the norm as ``quant_layout.QuantizedRows``,
         quantized for a ``CudaQuantLinear`` by the same kernel. ``prefetch`` (GPU): the next
-        projection's weight arrays, asked of L2 by the same kernel (``cuda_linear.prefetch_arrays``).
+        projection's weight arrays, asked of L2 by the same kernel (``decode_plan``).
         ``launch_next`` (GPU): the next kernel may launch before this one waits
-        (``cuda_linear.launch_early``)."""
+        (``decode_plan``)."""
         if x.is_cuda:
-            from lodestar.kernels.triton_fused import rms_norm
             return rms_norm(x, self.weight, self.eps, quantize=quantize, prefetch=prefetch, launch_next=launch_next)
         dtype = x.dtype
         h = x.float()
@@ -33,18 +36,27 @@ class RMSNorm(nn.Module):
         """``(h, norm(h))`` with ``h = x + delta``; one fused kernel on the GPU (``quantize``,
         ``prefetch`` and ``launch_next`` as for ``forward``)."""
         if x.is_cuda:
-            from lodestar.kernels.triton_fused import rms_norm
             y, h = rms_norm(delta, self.weight, self.eps, residual=x, quantize=quantize, prefetch=prefetch,
                             launch_next=launch_next)
             return h, y
         h = x + delta
         return h, self(h)
 
+    def run(self, x: torch.Tensor, delta, step) -> tuple[torch.Tensor, object]:
+        """``(h, norm(h))`` with ``h = x + delta`` (``delta`` None: ``x`` itself) on the GPU, as
+        ``step`` (``decode_plan.NormStep``) says. ``delta`` may be ``SplitPartials``."""
+        if step.pending:
+            if isinstance(delta, SplitPartials):
+                delta = delta.materialize()
+            return self.pending(x, delta)
+        if delta is None:
+            return x, self(x, quantize=step.quantize, prefetch=step.prefetch, launch_next=step.launch_next)
+        return self.add_norm(x, delta, quantize=step.quantize, prefetch=step.prefetch, launch_next=step.launch_next)
+
     def pending(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
         """``add_norm`` (or, without ``delta``, ``(x, norm(x))``) with the norm left to the dense
         matrix-vector kernel that reads it (``triton_dense.PendingNorm``; GPU, bf16 rows).
         That kernel also writes ``h``, so it must run before ``h`` is read."""
-        from lodestar.kernels.triton_dense import PendingNorm
         if delta is None:
             p = PendingNorm.of(x, self.weight, self.eps)
         else:
@@ -65,7 +77,6 @@ class OffsetRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from lodestar.kernels.triton_fused import rms_norm
             return rms_norm(x, self.weight, self.eps, offset=True)
         dtype = x.dtype
         h = x.float()
@@ -74,7 +85,6 @@ class OffsetRMSNorm(RMSNorm):
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda:
-            from lodestar.kernels.triton_fused import rms_norm
             y, h = rms_norm(delta, self.weight, self.eps, offset=True, residual=x)
             return h, y
         h = x + delta

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lodestar.kernels.triton_fused import rope_
+
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position.
@@ -54,7 +56,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``positions [T]``."""
         if q.is_cuda:  # in place, fp32 math; tables sized by ensure_positions
-            from lodestar.kernels.triton_fused import rope_
             return rope_(q, k, positions, self.cos, self.sin, self.rotary_dim)
         # Every layer of a step passes the same positions tensor: look the rows up once.
         cached = self._step
@@ -75,7 +76,6 @@ class RotaryEmbedding(nn.Module):
         """CUDA: rotate q and k in place and store k, v at ``slots`` of the caches, one kernel
         (which also asks L2 for ``prefetch``, the next projection's weight arrays). Returns
         the rotated q."""
-        from lodestar.kernels.triton_fused import rope_
         rope_(q, k, positions, self.cos, self.sin, self.rotary_dim, v=v, k_cache=k_cache, v_cache=v_cache,
               slots=slots, prefetch=prefetch)
         return q

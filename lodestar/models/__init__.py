@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
+from lodestar.layers.cuda_linear import CudaEmbedding, CudaQuantLinear, compute_dtype
 from lodestar.models.gemma3 import Gemma3Model
 from lodestar.models.llama import LlamaModel
 from lodestar.models.validate import CheckpointError, check_blocks, check_tensors
@@ -61,7 +62,7 @@ def build_model(config: ModelConfig, source, mode: str = "packed", on_tensor=Non
 
 def _finish_on_device(model: nn.Module, mode: str, device: torch.device) -> None:
     """Norm weights, biases and rope tables follow the (already placed) linear layers."""
-    from lodestar.layers.cuda_linear import CudaEmbedding, CudaQuantLinear, compute_dtype
+
     model.to(device)
     head = getattr(model, "head", None)
     if isinstance(head, CudaQuantLinear):

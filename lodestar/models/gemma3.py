@@ -12,8 +12,11 @@ import torch
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
+from lodestar.kernels.policy import active
+from lodestar.kernels.triton_dense import GELU_TANH
 from lodestar.layers.activation import gelu_tanh_mul
 from lodestar.layers.attention import AttentionBatch
+from lodestar.layers.cuda_linear import CudaDenseLinear
 from lodestar.layers.norm import OffsetRMSNorm
 from lodestar.layers.rotary import RotaryEmbedding
 from lodestar.models.llama import LlamaArgs, LlamaAttention, block_tensors, check_config, mlp_projections, trunk_tensors
@@ -50,11 +53,11 @@ class Gemma3MLP(nn.Module):
         self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self.gate_up, "forward_glu"):   # a CUDA dense gate|up (cuda_linear.CudaDenseLinear)
-            from lodestar.kernels.triton_dense import GELU_TANH
-            from lodestar.kernels.triton_quant import fusions
-            if "glu_epilogue" in fusions() and self.gate_up.fuses_glu(x):   # one kernel, the same bits
-                return self.down(self.gate_up.forward_glu(x, GELU_TANH))
+        # a CUDA dense gate|up (cuda_linear.CudaDenseLinear) applying the activation itself: one
+        # kernel, the same bits
+        if isinstance(self.gate_up, CudaDenseLinear) and "glu_epilogue" in active().fusions \
+                and self.gate_up.fuses_glu(x):
+            return self.down(self.gate_up.forward_glu(x, GELU_TANH))
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         return self.down(gelu_tanh_mul(gate, up))
 

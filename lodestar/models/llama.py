@@ -11,8 +11,13 @@ import torch
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
+from lodestar.kernels import triton_fused
+from lodestar.kernels.policy import active
+from lodestar.kernels.triton_dense import SILU
 from lodestar.layers.activation import silu_mul
 from lodestar.layers.attention import AttentionBatch, paged_attention, write_kv
+from lodestar.layers.cuda_linear import fork_side_prefetch, join_side_prefetch
+from lodestar.layers.decode_plan import AttnStep, BlockPlan, HeadPlan, MlpStep, attn_step
 from lodestar.layers.norm import RMSNorm
 from lodestar.layers.rotary import RotaryEmbedding
 from lodestar.models.validate import CheckpointError, TensorSpec
@@ -161,32 +166,16 @@ class LlamaAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def _rope_store(self, x, positions: torch.Tensor, batch: AttentionBatch):
-        """The q|k|v kernel's own RoPE + KV store (fusion ``qkv_rope``; ``CudaQuantLinear.rope_store``),
-        or None: not on the GPU, separate q/k/v, a bias or q/k norms (applied before the rotation),
-        a partial rotary dim."""
-        if (batch.gpu is None or self.qkv_bias is not None or self.q_norm is not None
-                or self.rope.rotary_dim != self.head_dim or not hasattr(self.qkv, "rope_store")):
-            return None
-        return self.qkv.rope_store(x, positions, batch.gpu.slot_mapping, self.rope.cos, self.rope.sin,
-                                   self.k_cache, self.v_cache, self.sizes[0], self.sizes[1], self.head_dim)
+    @property
+    def rotates_in_qkv(self) -> bool:
+        """The q|k|v projection's kernel can rotate q, k and store k, v itself (fusion ``qkv_rope``):
+        packed, no bias, no q/k norm (applied before the rotation), the whole head rotates."""
+        return (hasattr(self.qkv, "rope_store") and self.qkv_bias is None and self.q_norm is None
+                and self.rope.rotary_dim == self.head_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                after_qkv=None) -> torch.Tensor:
-        """``after_qkv``: called (no arguments) once the q|k|v projection is launched."""
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x.shape[0]
-        rope = self._rope_store(x, positions, batch)
-        if rope is not None:    # rotated and stored by the projection's kernel
-            from lodestar.layers.cuda_linear import takes_quantized_input
-            q = self.qkv.forward_rope(x, rope)[:, :self.sizes[0]].view(T, self.n_heads, self.head_dim)
-            if after_qkv is not None:
-                after_qkv()
-            o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, None,
-                                takes_quantized_input(self.o))
-            return self.o(o.reshape(T, -1) if isinstance(o, torch.Tensor) else o)
         q, k, v = split_fused(self.qkv, x, self.sizes)
-        if after_qkv is not None:
-            after_qkv()
         if self.qkv_bias is not None:
             q, k, v = (t + b for t, b in zip((q, k, v), self.qkv_bias.split(self.sizes)))
         q = q.view(T, self.n_heads, self.head_dim)
@@ -194,20 +183,35 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        new, quantize = None, False
-        if batch.gpu is not None:
-            from lodestar.layers.attention import decode_new_tokens
-            from lodestar.layers.cuda_linear import prefetch_arrays, takes_quantized_input
-            quantize = takes_quantized_input(self.o)    # a decode step may quantize for it (attn_quant)
-            # decode step, fusion attn_rope: the attention kernel rotates q and k and stores k, v
-            new = decode_new_tokens(batch, positions, q, k, v, self.k_cache, self.v_cache, self.rope)
-            if new is None:     # rotation and the KV store in one kernel
-                q = self.rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache,
-                                               batch.gpu.slot_mapping, prefetch=prefetch_arrays(self.o, "o"))
-        else:
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                step: AttnStep | None = None) -> torch.Tensor:
+        """Attention of ``x [T, d]``; on the GPU as ``step`` (``decode_plan.AttnStep``) says
+        (worked out here when not given)."""
+        T = x.shape[0]
+        if batch.gpu is None:
+            q, k, v = self._qkv(x)
             q, k = self.rope(positions, q, k)
             write_kv(self.k_cache, self.v_cache, k, v, batch)
-        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, new, quantize)
+            o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
+            return self.o(o.reshape(T, -1))
+        if step is None:
+            step = attn_step(self.qkv, self.o, T, x.dtype == torch.bfloat16, self.rotates_in_qkv, active())
+        g = batch.gpu
+        rope = (self.qkv.rope_store(x, positions, g.slot_mapping, self.rope.cos, self.rope.sin, self.k_cache,
+                                    self.v_cache, self.sizes[0], self.sizes[1], self.head_dim)
+                if step.rope_in_qkv else None)
+        if rope is not None:    # rotated and stored by the projection's kernel
+            q = self.qkv.forward_rope(x, rope)[:, :self.sizes[0]].view(T, self.n_heads, self.head_dim)
+        else:
+            q, k, v = self._qkv(x)
+        if step.side_prefetch is not None:
+            fork_side_prefetch(step.side_prefetch)
+        if rope is None:
+            q = self.rope.rotate_and_store(positions, q, k, v, self.k_cache, self.v_cache, g.slot_mapping,
+                                           prefetch=step.o_prefetch)
+        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, step.quantize_o)
         return self.o(o.reshape(T, -1) if isinstance(o, torch.Tensor) else o)    # else QuantizedRows [T, Hq * D]
 
 
@@ -226,36 +230,22 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up, self.down, self.ffn_dim = mlp_projections(a, w, i)
 
-    def forward(self, x, quantize: bool = False, glu_epilogue: bool = False) -> torch.Tensor:
-        """``quantize`` (GPU): the activation kernel also quantizes its output for ``down``
-        (fusion ``glu_quant``: a packed gate|up projection does both itself);
-        ``norm_sum`` with ``residual`` (GPU, fusions of those names): a quantized down
-        projection may return ``triton_quant.SplitPartials``, which the next RMSNorm sums.
-        ``glu_epilogue`` (GPU, fusion of that name): a dense gate|up projection running one
-        row through its matrix-vector kernel applies the activation to its own output
-        (``CudaDenseLinear.forward_glu``; no activation kernel, same bits). ``x`` may be a
-        ``triton_dense.PendingNorm``."""
-        if glu_epilogue and not quantize:
-            from lodestar.kernels.triton_dense import SILU
-            from lodestar.layers.cuda_linear import takes_glu_epilogue
-            if takes_glu_epilogue(self.gate_up, x):
-                return self.down(self.gate_up.forward_glu(x, SILU))
-        if quantize:
-            from lodestar.kernels import triton_fused
-            from lodestar.kernels.triton_dense import SILU
-            from lodestar.kernels.triton_quant import fusions
-            from lodestar.layers.cuda_linear import CudaQuantLinear, launch_early, prefetch_arrays, takes_glu_quant
-            if takes_glu_quant(self.gate_up, x, self.ffn_dim):
-                act = self.gate_up.forward_glu_quant(x, self.ffn_dim, SILU)
-            else:
-                gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
-                act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=prefetch_arrays(self.down, "down"),
-                                            launch_next=launch_early("down", self.down, gate.shape[0]))
-            if isinstance(self.down, CudaQuantLinear) and {"norm_sum", "residual"} <= fusions():
-                return self.down.forward_partials(act)     # summed by the next RMSNorm
-            return self.down(act)
-        gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
-        return self.down(silu_mul(gate, up))
+    def forward(self, x, step: MlpStep | None = None) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``; on the GPU as ``step`` (``decode_plan.MlpStep``) says.
+        ``x`` may be ``QuantizedRows`` or a ``triton_dense.PendingNorm`` there."""
+        form = "plain" if step is None else step.form
+        if form == "glu_epilogue":
+            return self.down(self.gate_up.forward_glu(x, SILU))
+        if form == "plain":
+            gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
+            return self.down(silu_mul(gate, up))
+        if form == "glu_quant":
+            act = self.gate_up.forward_glu_quant(x, self.ffn_dim, SILU)
+        else:   # quant: the activation kernel quantizes for down
+            gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
+            act = triton_fused.silu_mul(gate, up, quantize=True, prefetch=step.act_prefetch,
+                                        launch_next=step.act_launch_next)
+        return self.down.forward_partials(act) if step.down_partials else self.down(act)
 
 
 class LlamaBlock(nn.Module):
@@ -265,50 +255,21 @@ class LlamaBlock(nn.Module):
         self.attn = LlamaAttention(a, w, i, rope)
         self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.ffn_norm.weight"), a.rms_eps)
         self.mlp = LlamaMLP(a, w, i)
+        self.plan = BlockPlan(self)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         h, y = self.ffn_norm.add_norm(x, self.attn(self.attn_norm(x), positions, batch))
         return h + self.mlp(y)
 
-    def forward_gpu(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                    batch: AttentionBatch, fuse: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` on the GPU with the decode fusions in ``fuse`` (``triton_quant.fusions``).
-
-        ``delta`` is the previous block's MLP output not yet added to ``x`` (None if it was;
-        ``triton_quant.SplitPartials`` with ``norm_sum``); the first norm adds it. Returns
-        ``(h, mlp_out)``: the block's output is their sum, which the caller adds, or leaves to
-        the next norm. Every fusion gives the same bits. With
-        ``dense_norm`` the residual stream ``x``/``h`` is written by the projection that fuses
-        the norm, so it is read only after that projection ran."""
-        from lodestar.kernels.triton_quant import SplitPartials, quantizable
-        from lodestar.layers.cuda_linear import (fork_side_prefetch, launch_early, prefetch_arrays,
-                                                 takes_norm_prologue, takes_pending_input, takes_quantized_input)
-        quant = "quant" in fuse and x.dtype == torch.bfloat16
-        q_attn = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.attn.qkv)
-        q_mlp = quant and quantizable(x.shape[0], x.shape[1]) and takes_quantized_input(self.mlp.gate_up)
-        q_down = quant and quantizable(x.shape[0], self.mlp.ffn_dim) and takes_quantized_input(self.mlp.down)
-        # small dense one-row projections compute the norm feeding them themselves
-        n_attn = (("dense_norm" in fuse and takes_pending_input(self.attn.qkv, x))
-                  or ("quant_norm" in fuse and takes_norm_prologue(self.attn.qkv, x)))
-        n_mlp = "dense_norm" in fuse and takes_pending_input(self.mlp.gate_up, x)
-        if n_attn:
-            if isinstance(delta, SplitPartials):
-                delta = delta.materialize()
-            x, xn = self.attn_norm.pending(x, delta)
-        elif delta is None:
-            xn = self.attn_norm(x, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"),
-                                launch_next=launch_early("qkv", self.attn.qkv, x.shape[0]))
-        else:
-            x, xn = self.attn_norm.add_norm(x, delta, quantize=q_attn, prefetch=prefetch_arrays(self.attn.qkv, "qkv"),
-                                            launch_next=launch_early("qkv", self.attn.qkv, x.shape[0]))
-        attn_out = self.attn(xn, positions, batch, after_qkv=lambda: fork_side_prefetch(self.mlp.gate_up, x.shape[0]))
-        if n_mlp:
-            h, y = self.ffn_norm.pending(x, attn_out)
-        else:
-            h, y = self.ffn_norm.add_norm(x, attn_out, quantize=q_mlp,
-                                          prefetch=prefetch_arrays(self.mlp.gate_up, "gate_up"),
-                                          launch_next=launch_early("gate_up", self.mlp.gate_up, x.shape[0]))
-        return h, self.mlp(y, quantize=q_down, glu_epilogue="glu_epilogue" in fuse)
+    def forward_gpu(self, x: torch.Tensor, delta, positions: torch.Tensor,
+                    batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on the GPU as this block's ``BlockPlan`` says (the same bits). ``delta`` is
+        the previous block's MLP output not yet added to ``x`` (None if it was); returns ``(h,
+        mlp_out)``, whose sum is the block's output, added by the caller or the next norm."""
+        step = self.plan.step(x)
+        x, xn = self.attn_norm.run(x, delta, step.attn_norm)
+        h, y = self.ffn_norm.run(x, self.attn(xn, positions, batch, step.attn), step.ffn_norm)
+        return h, self.mlp(y, step.mlp)
 
 
 class LlamaModel(nn.Module):
@@ -332,6 +293,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaBlock(a, w, i, self.rope) for i in range(a.n_layers))
         self.norm = RMSNorm(w.vector("output_norm.weight"), a.rms_eps)
         self.head = w.head("output.weight", self.embed)
+        self.head_plan = HeadPlan(self.head)
 
     @property
     def attention_layers(self) -> list[LlamaAttention]:
@@ -346,19 +308,14 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
     def _forward_gpu(self, h: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        from lodestar.kernels.triton_quant import fusions
-        from lodestar.layers.cuda_linear import join_side_prefetch, launch_early, prefetch_arrays
-        fuse = fusions()
+        add_residual = "residual" not in active().fusions     # else the next norm adds it
         delta = None
         for blk in self.layers:
-            h, delta = blk.forward_gpu(h, delta, positions, batch, fuse)
-            if "residual" not in fuse:
+            h, delta = blk.forward_gpu(h, delta, positions, batch)
+            if add_residual:
                 h, delta = h + delta, None
-        head, early = prefetch_arrays(self.head, "head"), launch_early("head", self.head, h.shape[0])
         join_side_prefetch()
-        if delta is None:
-            return self.norm(h, prefetch=head, launch_next=early)
-        return self.norm.add_norm(h, delta, prefetch=head, launch_next=early)[1]
+        return self.norm.run(h, delta, self.head_plan.step(h))[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -1,13 +1,13 @@
 """Turn checkpoint tensors into modules: packed quantized, or dequantized at load."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from lodestar.layers import cuda_linear
 from lodestar.layers import linear as qlinear
 
 WEIGHT_MODES = ("packed", "fp32", "bf16")
@@ -65,6 +65,7 @@ class WeightLoader:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.fuse = mode != "fp32" or self.cuda
+        self.stack = True           # projections of one input in several packed types: one CudaQuantStack
         self.on_tensor = on_tensor  # progress hook, called once per tensor read
 
     def has(self, name: str) -> bool:
@@ -90,7 +91,6 @@ class WeightLoader:
 
     def _make_linear(self, qtype, data: torch.Tensor, in_features: int, out_features: int) -> nn.Module:
         if self.cuda:
-            from lodestar.layers import cuda_linear
             return cuda_linear.make_linear(qtype, data, in_features, out_features, self.mode, self.device)
         return qlinear.make_linear(qtype, data, in_features, out_features, self.mode)
 
@@ -118,11 +118,9 @@ class WeightLoader:
         """Projections of one input in several types (llama.cpp's Q4_K_M holds some layers'
         attn_v in Q6_K beside q and k in Q4_K) as one ``cuda_linear.CudaQuantStack`` on the
         GPU: neighbours of one type fused, every part packed. None (separate projections)
-        where a part would not be packed (dense weights, types without a GPU kernel), or with
-        env ``LODESTAR_STACK=0``."""
-        from lodestar.layers import cuda_linear
-        if os.environ.get("LODESTAR_STACK", "").strip() == "0" or not all(cuda_linear.packs(t.qtype, self.mode)
-                                                                         for t in ts):
+        where a part would not be packed (dense weights, types without a GPU kernel), or
+        with ``stack`` off (tests compare the two)."""
+        if not self.stack or not all(cuda_linear.packs(t.qtype, self.mode) for t in ts):
             return None
         runs: list[list[int]] = []
         for i, t in enumerate(ts):
@@ -137,7 +135,6 @@ class WeightLoader:
         t = self.tensor(name)
         num, dim = t.shape
         if self.cuda:
-            from lodestar.layers import cuda_linear
             return cuda_linear.make_embedding(t.qtype, t.data, num, dim, self.mode, self.device)
         return qlinear.make_embedding(t.qtype, t.data, num, dim, self.mode)
 

@@ -1,5 +1,5 @@
-"""``gpu.chain_trace``: how far each kernel moved the end of a replayed decode chain."""
-from lodestar.bench.gpu import chain_trace
+"""``gpu_kernels.chain_trace``: how far each kernel moved the end of a replayed decode chain."""
+from lodestar.bench.gpu_kernels import chain_trace
 
 
 def test_advances_add_up_to_the_span_and_overlap_is_not_counted_twice():
@@ -57,7 +57,7 @@ def test_a_kernel_called_several_times_a_layer_is_told_apart_by_its_place():
 
 
 def test_stream_rates_of_the_projections_and_the_head():
-    from lodestar.bench.gpu import stream_rates
+    from lodestar.bench.gpu_kernels import stream_rates
     kernels = {"_gemv_words_kernel #0": {"advance_us_per_call": 2.0},
                "_gemv_words_kernel #3": {"advance_us_per_call": 4.0},
                "_gemv_words_kernel #+": {"advance_us_per_call": 10.0},

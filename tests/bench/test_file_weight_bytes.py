@@ -1,9 +1,9 @@
-"""The file weight bytes of the CUDA issue's roofline (``bench.gpu.file_weight_bytes``)."""
+"""The file weight bytes of the CUDA issue's roofline (``bench.gpu_cells.file_weight_bytes``)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from lodestar.bench.gpu import file_weight_bytes
+from lodestar.bench.gpu_cells import file_weight_bytes
 from lodestar.formats.synthetic import SyntheticCheckpoint
 
 

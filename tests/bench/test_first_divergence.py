@@ -1,5 +1,5 @@
-"""``gpu.first_divergence``: where one greedy sequence leaves another, and how close it was."""
-from lodestar.bench.gpu import first_divergence
+"""``gpu_ab.first_divergence``: where one greedy sequence leaves another, and how close it was."""
+from lodestar.bench.gpu_ab import first_divergence
 
 
 def _lp(chosen: float, top: list[tuple[int, float]]):

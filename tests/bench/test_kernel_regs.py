@@ -28,14 +28,14 @@ def test_cases_are_checked():
         kr.parse_case(case)
 
 
-def _run_tool(*cases: str) -> tuple[int, list[dict]]:
-    """``python -m lodestar.bench.kernel_regs CASES`` in a process of its own (compiled for the
+def _run_tool(*args: str) -> tuple[int, list[dict]]:
+    """``python -m lodestar.bench.kernel_regs ARGS`` in a process of its own (compiled for the
     GPU target even where the tests run the interpreter): exit status and one row a case."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", *cases], capture_output=True,
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LODESTAR_GEMV_TABLE")}
+    out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", *args], capture_output=True,
                          text=True, env=env, timeout=600)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(rows) == len(cases), out.stderr[-2000:]
+    assert len(rows) == sum(":" in a for a in args), out.stderr[-2000:]     # cases are KIND:TYPE:N,K:CONFIG
     return out.returncode, rows
 
 
@@ -43,7 +43,7 @@ def _run_tool(*cases: str) -> tuple[int, list[dict]]:
 def test_a_cap_on_registers_reaches_the_compiled_kernel():
     """Compiled offline for sm_90: the 8B Q4_0 gate|up of glu_quant, as shipped and capped at
     96 registers; the cap holds and raises the programs an SM holds."""
-    code, (free, capped) = _run_tool("glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1", "glu:Q4_0:28672,4096:64,16,1,4,0,0,0,1,96")
+    code, (free, capped) = _run_tool("glu:Q4_0:28672,4096:64,16,1,4,0,0,1", "glu:Q4_0:28672,4096:64,16,1,4,0,0,1,96")
     assert code == 0
     assert capped["registers"] <= 96 < free["registers"]
     assert capped["programs_per_sm"] > free["programs_per_sm"] and free["programs"] == capped["programs"] == 448
@@ -54,24 +54,21 @@ def test_a_cap_on_registers_reaches_the_compiled_kernel():
 def test_a_refused_tiling_is_reported_and_the_others_still_run():
     """A gate|up tiling split along K cannot apply the activation in its kernel: its line names
     the error, the next case is still compiled, and the exit status says one failed."""
-    code, (bad, good) = _run_tool("glu:Q4_0:28672,4096:64,16,2,4,0,0,0,1", "gemv:Q4_0:4096,14336:16,16,7,1,0,0,0,1")
+    code, (bad, good) = _run_tool("glu:Q4_0:28672,4096:64,16,2,4,0,0,1", "gemv:Q4_0:4096,14336:16,16,7,1,0,0,1")
     assert code == 1
     assert "glu_epilogue_ok" in bad["error"] and "registers" not in bad
     assert good["registers"] > 0 and good["programs"] == 4096 // 16 * 7
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its ptxas and cuobjdump)")
-def test_kquant_scale_layout_follows_the_gpu_table(monkeypatch):
+def test_kquant_scale_layout_follows_the_gpu_table():
     """A Q4_K weight is compiled in the scale layout the H200 table gives its shape (q|k|v in
-    pairs, down split), or the one LODESTAR_KQUANT_SCALES names; Q4_0 has none."""
-    monkeypatch.delenv("LODESTAR_KQUANT_SCALES", raising=False)
-    monkeypatch.delenv("LODESTAR_GEMV_TABLE", raising=False)
-    qkv, down = "gemv:Q4_K:6144,4096:8,128,1,2,0,0,0,1", "gemv-sum:Q4_K:4096,14336:16,32,2,4,0,0,0,1"
-    code, (a, b, c) = _run_tool(qkv, down, "gemv:Q4_0:6144,4096:8,128,1,1,0,0,0,1")
+    pairs, down split), or the one --scales names; Q4_0 has none."""
+    qkv, down = "gemv:Q4_K:6144,4096:8,128,1,2,0,0,1", "gemv-sum:Q4_K:4096,14336:16,32,2,4,0,0,1"
+    code, (a, b, c) = _run_tool(qkv, down, "gemv:Q4_0:6144,4096:8,128,1,1,0,0,1")
     assert code == 0 and a["scales"] == "pair" and b["scales"] == "split" and "scales" not in c
-    monkeypatch.setenv("LODESTAR_KQUANT_SCALES", "split")
-    code, (a,) = _run_tool(qkv)
-    assert code == 0 and a["scales"] == "split"
+    code, (a, c) = _run_tool("--scales", "block", qkv, "gemv:Q4_0:6144,4096:8,128,1,1,0,0,1")
+    assert code == 0 and a["scales"] == "block" and "scales" not in c
 
 
 def test_sass_counts_find_the_longest_loop():
@@ -96,7 +93,7 @@ def test_sass_option_counts_the_tile_loop():
     """--sass: a looping tiling reports its loop (dp4a: 16 a group), a one-tile program none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "lodestar.bench.kernel_regs", "--sass",
-                          "gemv:Q4_0:28672,4096:8,32,1,1,0,0,0,1", "gemv:Q4_0:6144,4096:8,128,1,1,0,0,0,1"],
+                          "gemv:Q4_0:28672,4096:8,32,1,1,0,0,1", "gemv:Q4_0:6144,4096:8,128,1,1,0,0,1"],
                          capture_output=True, text=True, env=env, timeout=600)
     loop, whole = (json.loads(line)["sass"] for line in out.stdout.splitlines())
     assert out.returncode == 0

@@ -1,7 +1,9 @@
-"""The context sweep's plot and type list (no GPU needed)."""
+"""The context sweep's plot, file types and contexts (no GPU needed)."""
 from __future__ import annotations
 
-from lodestar.bench.gpu import svg_plot, sweep_qtypes
+import pytest
+
+from lodestar.bench.gpu_models import svg_plot, sweep_contexts, sweep_qtypes
 
 
 def _rows(qtype, first):
@@ -15,23 +17,16 @@ def test_one_line_and_roofline_per_file_type():
     assert ">Q4_K</text>" in svg and ">F16</text>" in svg and ">32k</text>" in svg
 
 
-def test_sweep_types_from_the_environment(monkeypatch):
-    monkeypatch.delenv("LODESTAR_SWEEP_QTYPES", raising=False)
+def test_sweep_types_default_and_setting():
     assert sweep_qtypes() == ["Q4_K", "F16"]
-    monkeypatch.setenv("LODESTAR_SWEEP_QTYPES", " F16 ,")
-    assert sweep_qtypes() == ["F16"]
+    assert sweep_qtypes(" F16 ,") == ["F16"]
+    with pytest.raises(ValueError, match="--qtypes"):
+        sweep_qtypes(" , ")
 
 
-def test_sweep_contexts_default_and_setting(monkeypatch):
-    from lodestar.bench import gpu
-    monkeypatch.delenv("LODESTAR_SWEEP_CONTEXTS", raising=False)
-    assert gpu.sweep_contexts() == (1024, 2048, 4096, 8192, 16384, 32768)
-    monkeypatch.setenv("LODESTAR_SWEEP_CONTEXTS", "384,896,1024")
-    assert gpu.sweep_contexts() == (384, 896, 1024)
-    for bad in ("1024,512", "0,8", "x", "8,8"):
-        monkeypatch.setenv("LODESTAR_SWEEP_CONTEXTS", bad)
-        try:
-            gpu.sweep_contexts()
-        except ValueError:
-            continue
-        raise AssertionError(f"{bad!r} was accepted")
+def test_sweep_contexts_default_and_setting():
+    assert sweep_contexts() == (1024, 2048, 4096, 8192, 16384, 32768)
+    assert sweep_contexts("384,896,1024") == (384, 896, 1024)
+    for bad in ("1024,512", "0,8", "x", "8,8", ""):
+        with pytest.raises(ValueError, match="--contexts"):
+            sweep_contexts(bad)

@@ -130,20 +130,12 @@ def test_graphs_and_batching_match_eager_single_stream(gpu_engine):
     assert gpu_engine.pool.num_free == gpu_engine.pool.num_blocks
 
 
-@pytest.mark.parametrize("one_copy,form,chunk", [(0, "one", 0), (1 << 30, "one", 0), (1 << 30, "apart", 0),
-                                                  (0, "mapped", 0), (0, "mapped", 2)],
-                         ids=["two-copies", "one-copy", "apart", "mapped", "mapped-trips"])
-def test_graph_inputs_in_one_or_two_copies(gpu_engine, one_copy, form, chunk, monkeypatch):
-    """A decode step's inputs reach the graph in one copy of the staging buffer, in two
-    (positions, slots and lengths, then the used table columns) past
-    ``STAGE_ONE_COPY_BYTES``, one copy each (``LODESTAR_STAGE_COPIES=apart``), or read by the
-    graph from pinned host memory with the tokens written back there (``mapped``; with
-    ``chunk``, table columns in round trips of that many): the same tokens as eager decode,
-    alone and batched with padded rows."""
-    from lodestar.engine import model_runner
+@pytest.mark.parametrize("chunk", [0, 2], ids=["one-trip", "trips"])
+def test_graph_reads_its_inputs_from_the_host_stage(gpu_engine, chunk, monkeypatch):
+    """A decode graph reads its step's inputs from pinned host memory and writes the tokens
+    back there (with ``chunk``, table columns in round trips of that many): the same tokens
+    as eager decode, alone and batched with padded rows."""
     from lodestar.kernels import triton_step_inputs
-    monkeypatch.setattr(model_runner, "STAGE_ONE_COPY_BYTES", one_copy)
-    monkeypatch.setenv("LODESTAR_STAGE_COPIES", form)
     if chunk:
         monkeypatch.setattr(triton_step_inputs, "FIRST_TRIP_ELEMENTS", chunk)
     monkeypatch.setattr(gpu_engine.runner, "graphs", {})      # captured in this form

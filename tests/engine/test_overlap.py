@@ -159,19 +159,3 @@ def test_graph_captures_hold_the_garbage_collector_off_and_restore_it():
     finally:
         gc.enable()
 
-
-def test_stage_copies_setting_is_checked(monkeypatch):
-    from lodestar.engine.model_runner import stage_copies
-    monkeypatch.delenv("LODESTAR_STAGE_COPIES", raising=False)
-    monkeypatch.delenv("LODESTAR_GREEDY_KERNEL", raising=False)
-    assert stage_copies() == "mapped"
-    monkeypatch.setenv("LODESTAR_GREEDY_KERNEL", "0")     # the host slot needs the greedy kernel
-    assert stage_copies() == "one"
-    monkeypatch.delenv("LODESTAR_GREEDY_KERNEL")
-    monkeypatch.setenv("LODESTAR_STAGE_COPIES", "one")
-    assert stage_copies() == "one"
-    monkeypatch.setenv("LODESTAR_STAGE_COPIES", "apart")
-    assert stage_copies() == "apart"
-    monkeypatch.setenv("LODESTAR_STAGE_COPIES", "two")
-    with pytest.raises(ValueError, match="LODESTAR_STAGE_COPIES"):
-        stage_copies()

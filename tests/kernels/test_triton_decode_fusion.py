@@ -1,24 +1,39 @@
-"""Decode fusions (``triton_quant.fusions``, env LODESTAR_FUSE) give the same bits as the
+"""Decode fusions (``KernelPolicy.fusions``, ``kernels/policy.py``) give the same bits as the
 unfused kernels: x quantized inside RMSNorm, the gated activation and the decode-attention
 kernel (a decode step through the attention layer), K splits added inside the
-matrix-vector kernel, and repeated calls on the same buffers (CUDA-graph replays) finding
-the tile counters back at 0.
+matrix-vector kernel or by the next RMSNorm, the gated activation in the gate|up kernel, the
+rotation and KV store in the q|k|v kernel, and repeated calls on the same buffers
+(CUDA-graph replays) finding the tile counters back at 0.
 
 Runs on a CUDA device, or on the CPU under TRITON_INTERPRET=1 (see triton_helpers); there
 the weights keep their real K (and K split) but only 20 rows, to bound the interpreter's time.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 
+from lodestar.kernels import gemv_tiling as gt
+from lodestar.kernels import quant_layout as ql
 from lodestar.kernels import triton_fused as tf
 from lodestar.kernels import triton_quant as tq
+from lodestar.kernels.policy import FUSIONS, KernelPolicy, using
 
 from triton_helpers import kernel_device, random_gguf
 
-TYPES = [pytest.param(t, id=t.name) for t in tq.GPU_QUANT_TYPES]
+TYPES = [pytest.param(t, id=t.name) for t in ql.GPU_QUANT_TYPES]
 ROWS = (1, 2, 3, 8)
+ALL = KernelPolicy()                            # every fusion
+NONE = KernelPolicy(fusions=frozenset())
+
+
+def _fusions(*names: str) -> KernelPolicy:
+    return KernelPolicy(fusions=frozenset(names))
+
+
 # (N, K, split_k, tile_groups) of the products that split K: SmolLM2-135M's (forced splits:
 # the H200 rule keeps them whole) and Llama-3.1-8B's with the H200 tiling rule
 # (q|k|v 6144 x 4096 and o 4096 x 4096 split in 2, down 4096 x 14336 in 4).
@@ -38,7 +53,7 @@ def _x(m: int, k: int, seed: int, scale: float = 3.0) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def _same_quantization(got: tq.QuantizedRows, x: torch.Tensor) -> None:
+def _same_quantization(got: ql.QuantizedRows, x: torch.Tensor) -> None:
     words, d1, sums = tq.quantize_x(x)
     assert torch.equal(got.words, words)
     assert torch.equal(got.d1.view(torch.int32), d1.view(torch.int32))
@@ -58,7 +73,7 @@ def test_norm_emits_the_bits_of_quantize_x(d, residual):
             assert torch.equal(h, h_ref)
         else:
             q, y = tf.rms_norm(x, w, 1e-5, quantize=True), tf.rms_norm(x, w, 1e-5)
-        assert isinstance(q, tq.QuantizedRows) and q.shape == (m, d)
+        assert isinstance(q, ql.QuantizedRows) and q.shape == (m, d)
         assert torch.equal(q.x, y), m
         _same_quantization(q, y)
 
@@ -85,8 +100,8 @@ def test_quantize_needs_bf16_rows_of_whole_groups():
         tf.rms_norm(torch.ones(2, 64, device=dev), torch.ones(64, device=dev), 1e-5, quantize=True)
 
 
-def _weight(qtype, n: int, k: int, dev: str, seed: int) -> tq.PackedWeight:
-    return tq.pack(qtype, random_gguf(qtype, n, k, seed=seed).to(dev), n, k)
+def _weight(qtype, n: int, k: int, dev: str, seed: int) -> ql.PackedWeight:
+    return ql.pack(qtype, random_gguf(qtype, n, k, seed=seed).to(dev), n, k)
 
 
 def _rows(n: int, dev: str) -> int:
@@ -95,44 +110,44 @@ def _rows(n: int, dev: str) -> int:
 
 # K-quant blocks hold 256 weights: a 576-wide row cannot be one of them (such GGUF files
 # store those tensors in another type).
-SPLIT_CASES = [pytest.param(t, shape, id=f"{shape}-{t.name}") for shape in SPLIT_SHAPES for t in tq.GPU_QUANT_TYPES
-               if SPLIT_SHAPES[shape][1] % tq.GGML_QUANT_SIZES[t][0] == 0]
+SPLIT_CASES = [pytest.param(t, shape, id=f"{shape}-{t.name}") for shape in SPLIT_SHAPES for t in ql.GPU_QUANT_TYPES
+               if SPLIT_SHAPES[shape][1] % GGML_QUANT_SIZES[t][0] == 0]
 
 
 @pytest.mark.parametrize("qtype,shape", SPLIT_CASES)
-def test_split_sum_inside_the_kernel_is_bit_identical(qtype, shape, monkeypatch):
+def test_split_sum_inside_the_kernel_is_bit_identical(qtype, shape):
     dev = kernel_device()
     n, k, split, tile = SPLIT_SHAPES[shape]
     n = _rows(n, dev)
     # the interpreter's time grows with programs x tiles, not tile size: fewer, larger tiles
-    cfg = tq.GemvConfig(16, tile if dev == "cuda" else 64, split, 4)
+    cfg = gt.GemvConfig(16, tile if dev == "cuda" else 64, split, 4)
     pw = _weight(qtype, n, k, dev, seed=k + int(qtype))
     for m in ROWS:
         x = _x(m, k, seed=m).to(dev)
-        monkeypatch.setenv("LODESTAR_FUSE", "quant,residual")     # split_sum off: _split_sum_kernel
-        want = tq.quant_matmul(x, pw, torch.float32, config=cfg)
-        monkeypatch.setenv("LODESTAR_FUSE", "1")
-        got = tq.quant_matmul(x, pw, torch.float32, config=cfg)
+        with using(_fusions("quant", "residual")):                 # split_sum off: _split_sum_kernel
+            want = tq.quant_matmul(x, pw, torch.float32, config=cfg)
+        with using(ALL):
+            got = tq.quant_matmul(x, pw, torch.float32, config=cfg)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), m
         assert not pw.tile_counters.any()                          # left at 0 for the next call
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_norm_quantized_input_gives_the_same_product(qtype, monkeypatch):
+def test_norm_quantized_input_gives_the_same_product(qtype):
     """RMSNorm -> q|k|v as the model runs it: fused producer + in-kernel split sum against
     every fusion off."""
     dev = kernel_device()
     n, k, split, tile = SPLIT_SHAPES["8b_qkv"]
     n = _rows(n, dev)
-    cfg = tq.GemvConfig(16, tile if dev == "cuda" else 64, split, 4)
+    cfg = gt.GemvConfig(16, tile if dev == "cuda" else 64, split, 4)
     pw = _weight(qtype, n, k, dev, seed=7)
     w = (torch.rand(k, generator=torch.Generator().manual_seed(3)) + 0.5).to(dev)
     for m in ROWS:
         x = _x(m, k, seed=10 + m).to(dev)
-        monkeypatch.setenv("LODESTAR_FUSE", "0")
-        want = tq.quant_matmul(tf.rms_norm(x, w, 1e-5), pw, config=cfg)
-        monkeypatch.setenv("LODESTAR_FUSE", "1")
-        got = tq.quant_matmul(tf.rms_norm(x, w, 1e-5, quantize=True), pw, config=cfg)
+        with using(NONE):
+            want = tq.quant_matmul(tf.rms_norm(x, w, 1e-5), pw, config=cfg)
+        with using(ALL):
+            got = tq.quant_matmul(tf.rms_norm(x, w, 1e-5, quantize=True), pw, config=cfg)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), m
 
 
@@ -142,21 +157,21 @@ NORM_SUM_CASES = [  # (N = the norm's width, K, split_k, tile_groups): one progr
 ]
 
 
-@pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_0, id="Q4_0"), pytest.param(tq.T.Q4_K, id="Q4_K")])
+@pytest.mark.parametrize("qtype", [pytest.param(ql.T.Q4_0, id="Q4_0"), pytest.param(ql.T.Q4_K, id="Q4_K")])
 @pytest.mark.parametrize("n,k,split,tile", NORM_SUM_CASES)
 @pytest.mark.parametrize("quantize", [False, True], ids=["bf16", "quantized"])
 def test_norm_summing_the_split_partials_gives_the_bits_of_the_summed_product(qtype, n, k, split, tile, quantize):
     """Fusion ``norm_sum``: the product's K-split partials, left unsummed, then the residual
     add + RMSNorm summing them itself, give the bits of the summed product (in-kernel split
     sum, and the separate sum kernel) then the norm: its output, quantized form and residual."""
-    if qtype == tq.T.Q4_K and k % 256:
+    if qtype == ql.T.Q4_K and k % 256:
         pytest.skip("K-quant rows are whole 256-weight blocks")
     dev = kernel_device()
-    cfg = tq.GemvConfig(16, tile, split, 4)
+    cfg = gt.GemvConfig(16, tile, split, 4)
     pw = _weight(qtype, n, k, dev, seed=n + k)
     w = (torch.rand(n, generator=torch.Generator().manual_seed(4)) + 0.5).to(dev)
     for m in ((1, 3) if dev == "cuda" else (3,)):
-        x = tq.QuantizedRows(_x(m, k, seed=m).to(dev), *tq.quantize_x(_x(m, k, seed=m).to(dev)))
+        x = ql.QuantizedRows(_x(m, k, seed=m).to(dev), *tq.quantize_x(_x(m, k, seed=m).to(dev)))
         res = _x(m, n, seed=50 + m, scale=1.0).to(dev)
         summed = tq.quant_matmul(x, pw, config=cfg)
         parts = tq.quant_matmul(x, pw, config=cfg, defer_sum=True)
@@ -170,11 +185,11 @@ def test_norm_summing_the_split_partials_gives_the_bits_of_the_summed_product(qt
             assert _same_bits(got_y.d1, want_y.d1) and _same_bits(got_y.sums, want_y.sums)
         else:
             assert _same_bits(got_y, want_y), m
-    one = tq.quant_matmul(x, pw, config=tq.GemvConfig(16, tile, 1, 4), defer_sum=True)
+    one = tq.quant_matmul(x, pw, config=gt.GemvConfig(16, tile, 1, 4), defer_sum=True)
     assert isinstance(one, torch.Tensor)        # no K split: nothing to defer
 
 
-GLU_TYPES = [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE]
+GLU_TYPES = [pytest.param(t, id=t.name) for t in gt.WORDS_CAPABLE]
 
 
 @pytest.mark.parametrize("qtype", GLU_TYPES)
@@ -191,13 +206,13 @@ def test_gate_up_with_the_activation_in_its_epilogue_gives_the_bits_of_product_t
     from lodestar.kernels.triton_dense import GELU_TANH, SILU
     dev = kernel_device()
     ffn, k = max(2 * block_n, 64), 512
-    cfg = tq.GemvConfig(block_n, tile, 1, 4, words=True)
+    cfg = gt.GemvConfig(block_n, tile, 1, 4, words=True)
     pw = _weight(qtype, 2 * ffn, k, dev, seed=ffn + act)
-    assert tq.glu_epilogue_ok(pw, 3, ffn, cfg)
+    assert gt.glu_epilogue_ok(pw, 3, ffn, cfg)
     glu = tf.silu_mul if act == SILU else tf.gelu_tanh_mul
     for m in ((1, 3, 8) if dev == "cuda" else (3,)):
         x = _x(m, k, seed=m).to(dev)
-        for given in (x, tq.QuantizedRows(x, *tq.quantize_x(x))):
+        for given in (x, ql.QuantizedRows(x, *tq.quantize_x(x))):
             product = tq.quant_matmul(given, pw, config=cfg)
             want = glu(product[:, :ffn], product[:, ffn:], quantize=True)
             got = tq.quant_glu(given, pw, ffn, SILU if act == SILU else GELU_TANH, config=cfg)
@@ -209,61 +224,62 @@ def test_gate_up_with_the_activation_in_its_epilogue_gives_the_bits_of_product_t
 
 
 def test_glu_epilogue_ok_refuses_what_the_kernel_cannot_run():
-    pw = _weight(tq.T.Q4_0, 256, 512, "cpu", seed=3)
-    words = tq.GemvConfig(64, 8, 1, 4, words=True)
-    assert tq.glu_epilogue_ok(pw, 1, 128, words)
-    assert not tq.glu_epilogue_ok(pw, 1, 64, words)                                  # not 2 x ffn rows
-    assert not tq.glu_epilogue_ok(pw, 0, 128, words)
-    assert not tq.glu_epilogue_ok(pw, tq.SMALL_M_MAX + 1, 128, words)
-    assert not tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(64, 8, 2, 4, words=True))  # K split
-    assert tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(32, 8, 1, 4, words=True))      # 16 units: counted
-    assert tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(2, 8, 1, 1, words=True))       # one unit of each half
-    assert not tq.glu_epilogue_ok(pw, 1, 128, tq.GemvConfig(64, 8, 1, 4))             # group-tile kernel
-    odd = _weight(tq.T.Q4_0, 160, 512, "cpu", seed=4)
-    assert not tq.glu_epilogue_ok(odd, 1, 80, words)                                  # 80 units: not whole halves
-    assert not tq.glu_epilogue_ok(odd, 1, 80, tq.GemvConfig(8, 8, 1, 1, words=True))  # nor whole 32-unit groups
+    pw = _weight(ql.T.Q4_0, 256, 512, "cpu", seed=3)
+    words = gt.GemvConfig(64, 8, 1, 4, words=True)
+    assert gt.glu_epilogue_ok(pw, 1, 128, words)
+    assert not gt.glu_epilogue_ok(pw, 1, 64, words)                                  # not 2 x ffn rows
+    assert not gt.glu_epilogue_ok(pw, 0, 128, words)
+    assert not gt.glu_epilogue_ok(pw, ql.SMALL_M_MAX + 1, 128, words)
+    assert not gt.glu_epilogue_ok(pw, 1, 128, gt.GemvConfig(64, 8, 2, 4, words=True))  # K split
+    assert gt.glu_epilogue_ok(pw, 1, 128, gt.GemvConfig(32, 8, 1, 4, words=True))      # 16 units: counted
+    assert gt.glu_epilogue_ok(pw, 1, 128, gt.GemvConfig(2, 8, 1, 1, words=True))       # one unit of each half
+    assert not gt.glu_epilogue_ok(pw, 1, 128, gt.GemvConfig(64, 8, 1, 4))             # group-tile kernel
+    odd = _weight(ql.T.Q4_0, 160, 512, "cpu", seed=4)
+    assert not gt.glu_epilogue_ok(odd, 1, 80, words)                                  # 80 units: not whole halves
+    assert not gt.glu_epilogue_ok(odd, 1, 80, gt.GemvConfig(8, 8, 1, 1, words=True))  # nor whole 32-unit groups
     with pytest.raises(ValueError, match="glu_epilogue_ok"):
         tq.quant_glu(torch.zeros(1, 512, dtype=torch.bfloat16), odd, 80, 0, config=words)
 
 
-def test_glu_gemv_config_reads_its_env_and_tables_and_fits_the_row(monkeypatch, tmp_path):
-    """The gate|up tiling of ``glu_quant``: LODESTAR_GLU_GEMV for every weight (``off``: none),
-    else a ``GLU:TYPE:n,k`` table entry (LODESTAR_GEMV_TABLE's file; ``off``: none), else the
-    shipped table's for a CUDA device; none on the CPU. Its tile never exceeds the row."""
-    import json
-    pw = _weight(tq.T.Q4_0, 256, 256, "cpu", seed=5)                     # 8 groups a row
-    for var in ("LODESTAR_GLU_GEMV", "LODESTAR_GEMV_TABLE"):
-        monkeypatch.delenv(var, raising=False)
-    assert tq.glu_gemv_config(pw) is None
-    assert not tq.glu_epilogue_ok(pw, 1, 128)                           # no tiling: the activation kernel runs
-    monkeypatch.setenv("LODESTAR_GLU_GEMV", "128,16,1,8,0,0,0,1")
-    cfg = tq.glu_gemv_config(pw)
-    assert (cfg.block_n, cfg.tile_groups, cfg.split_k, cfg.num_warps, cfg.words) == (128, 8, 1, 8, True)
-    assert tq.glu_epilogue_ok(pw, 1, 128)
-    monkeypatch.setenv("LODESTAR_GLU_GEMV", "off")
-    assert tq.glu_gemv_config(pw) is None
-    monkeypatch.delenv("LODESTAR_GLU_GEMV")
+def test_glu_gemv_config_reads_the_tables_and_fits_the_row(tmp_path):
+    """The gate|up tiling of ``glu_quant``: a ``GLU:TYPE:n,k`` entry of the tiling table in
+    force (policy ``gemv_table``: a file; ``off``: none; unset: the shipped table's for a
+    CUDA device), none on the CPU without a file; ``config=`` gives one directly. Its tile
+    never exceeds the row."""
+    pw = _weight(ql.T.Q4_0, 256, 256, "cpu", seed=5)                     # 8 groups a row
+    with using(ALL):
+        assert gt.glu_gemv_config(pw) is None
+        assert not gt.glu_epilogue_ok(pw, 1, 128)                       # no tiling: the activation kernel runs
+    assert gt.glu_epilogue_ok(pw, 1, 128, gt.parse_gemv_config("128,8,1,8,0,0,1"))
     table = tmp_path / "table.json"
-    table.write_text(json.dumps({"table": {"GLU:Q4_0:256,256": "64,4,1,4,0,0,0,1", "Q4_0:256,256": "8,8,1,1"}}))
-    monkeypatch.setenv("LODESTAR_GEMV_TABLE", str(table))
-    assert tq.glu_gemv_config(pw).block_n == 64 and tq.glu_gemv_config(pw).tile_groups == 4
-    monkeypatch.setenv("LODESTAR_GEMV_TABLE", "off")
-    assert tq.glu_gemv_config(pw) is None
-    shipped = json.loads(tq.TUNED_TABLE.read_text())["NVIDIA H200"]
-    cfg = tq.glu_entry(shipped, 28672, 4096, tq.T.Q4_0)
-    assert tq.glu_epilogue_ok(tq.PackedWeight(tq.T.Q4_0, 28672, 4096, pw.codes, pw.d), 1, 14336, cfg)
-    assert tq.glu_entry(shipped, 28672, 4096, tq.T.Q4_K) is None          # slower there (H200 run 82)
+    table.write_text(json.dumps({"table": {"GLU:Q4_0:256,256": "128,16,1,8,0,0,1", "Q4_0:256,256": "8,8,1,1"}}))
+    with using(KernelPolicy(gemv_table=str(table))):
+        cfg = gt.glu_gemv_config(pw)
+        assert (cfg.block_n, cfg.tile_groups, cfg.split_k, cfg.num_warps, cfg.words) == (128, 8, 1, 8, True)
+        assert gt.glu_epilogue_ok(pw, 1, 128)
+        assert gt.glu_gemv_config(_weight(ql.T.Q4_0, 256, 512, "cpu", seed=6)) is None    # no entry for it
+        assert gt.gemv_config(256, 256, pw.device, ql.T.Q4_0) == gt.GemvConfig(8, 8, 1, 1)  # the plain product's
+    with using(KernelPolicy(gemv_table="off")):
+        assert gt.glu_gemv_config(pw) is None
+    shipped = gt.shipped_table("NVIDIA H200")
+    cfg = gt.glu_entry(shipped, 28672, 4096, ql.T.Q4_0)
+    assert gt.glu_epilogue_ok(ql.PackedWeight(ql.T.Q4_0, 28672, 4096, pw.codes, pw.d), 1, 14336, cfg)
+    assert gt.glu_entry(shipped, 28672, 4096, ql.T.Q4_K) is None          # measured slower there
 
 
-@pytest.mark.parametrize("qtype", [pytest.param(tq.T.Q4_0, id="Q4_0"), pytest.param(tq.T.Q6_K, id="Q6_K")])
-def test_repeated_calls_on_the_same_buffers_give_the_same_bits(qtype, monkeypatch):
+@pytest.mark.parametrize("qtype", [pytest.param(ql.T.Q4_0, id="Q4_0"), pytest.param(ql.T.Q6_K, id="Q6_K")])
+def test_repeated_calls_on_the_same_buffers_give_the_same_bits(qtype):
     """What a CUDA-graph replay does: the same launch again and again; each must find the
     tile counters at 0 (a counter left at SPLIT - 1 would make the first arrival sum)."""
+    with using(ALL):
+        _repeated_calls(qtype)
+
+
+def _repeated_calls(qtype) -> None:
     dev = kernel_device()
-    monkeypatch.setenv("LODESTAR_FUSE", "1")
     n, k, split, tile = SPLIT_SHAPES["8b_down"]
     n = _rows(n, dev)
-    cfg = tq.GemvConfig(16, tile if dev == "cuda" else 64, split, 4)
+    cfg = gt.GemvConfig(16, tile if dev == "cuda" else 64, split, 4)
     pw = _weight(qtype, n, k, dev, seed=5)
     x = _x(8, k, seed=1).to(dev)
     first = tq.quant_matmul(x, pw, config=cfg)
@@ -288,22 +304,6 @@ def test_repeated_calls_on_the_same_buffers_give_the_same_bits(qtype, monkeypatc
         assert not pw.tile_counters.any()
 
 
-def test_fusion_switch(monkeypatch):
-    monkeypatch.delenv("LODESTAR_FUSE", raising=False)
-    assert tq.fusions() == set(tq.DEFAULT_FUSIONS) < set(tq.FUSIONS)
-    monkeypatch.setenv("LODESTAR_FUSE", "default")
-    assert tq.fusions() == set(tq.DEFAULT_FUSIONS)
-    monkeypatch.setenv("LODESTAR_FUSE", "1")
-    assert tq.fusions() == set(tq.FUSIONS)
-    monkeypatch.setenv("LODESTAR_FUSE", "0")
-    assert tq.fusions() == set()
-    monkeypatch.setenv("LODESTAR_FUSE", "split_sum, residual")
-    assert tq.fusions() == {"split_sum", "residual"}
-    monkeypatch.setenv("LODESTAR_FUSE", "quant,norm")
-    with pytest.raises(ValueError, match="names norm; use 0, 1 or a comma list of quant, split_sum, residual"):
-        tq.fusions()
-
-
 BS = 16
 
 
@@ -313,12 +313,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
 
 
-def _attention_step(kind: str, dev: str, qtype: str = "Q8_0"):
+def _attention_step(kind: str, dev: str, qtype: str = "Q8_0", stack: bool = True):
     """One attention layer of a tiny ``qtype`` geometry (Q8_0: q|k|v and o ``CudaQuantLinear``)
     with its CUDA layers and a GPU decode step of three rows (one of them many partitions
     long) over a scattered bf16 KV pool. ``llama``: GQA 4, D 64; ``gemma3``: Gemma 3's form
     (offset q/k norms, sliding window, query_pre_attn_scalar scale), one kv head, D 256. On
-    the CPU the layers are built and run as on a GPU (interpreter)."""
+    the CPU the layers are built and run as on a GPU (interpreter). ``stack``: the loader's
+    ``WeightLoader.stack`` (projections of one input in several packed types as one)."""
     from lodestar.formats.synthetic import Geometry, SyntheticCheckpoint
     from lodestar.kernels import triton_attention as ta
     from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
@@ -337,6 +338,7 @@ def _attention_step(kind: str, dev: str, qtype: str = "Q8_0"):
     ck = SyntheticCheckpoint(geo, qtype, device=dev)
     w = WeightLoader(ck, "packed", device=dev)
     w.cuda = True
+    w.stack = stack
     a = llama.LlamaArgs.from_config(ck.config)
     rope = RotaryEmbedding(a.rope_dim, a.rope_theta, 1024).to(dev)
     attn = llama.LlamaAttention(a, w, 0, rope, **extra).to(dev)     # q/k norm weights too
@@ -359,10 +361,11 @@ def _attention_step(kind: str, dev: str, qtype: str = "Q8_0"):
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_attention_decode_step_does_not_depend_on_attn_quant(kind, monkeypatch):
     """A decode step through the attention layer (q|k|v, RoPE + KV store, attention, o) with
-    ``attn_quant`` on and off, alone and with every other fusion (``attn_reduce``: the fused
-    combine quantizes; ``attn_rope``; ``qkv_rope``, alone too: the q|k|v kernel rotates and
-    stores, no RoPE kernel): the same bits out and in both caches; with ``attn_quant`` on the
-    o projection gets the attention kernel's ``QuantizedRows`` (no ``quantize_x`` of its own)."""
+    ``attn_quant`` on and off, alone and with every other fusion (``qkv_rope``, alone too:
+    the q|k|v kernel rotates and stores, no RoPE kernel): the same bits out and in both
+    caches; with ``attn_quant`` on the o projection gets the attention kernel's
+    ``QuantizedRows`` (no ``quantize_x`` of its own)."""
+    from lodestar.layers import rotary
     dev = kernel_device()
     attn, batch, kc, vc, x, positions = _attention_step(kind, dev)
     calls = []
@@ -373,57 +376,62 @@ def test_attention_decode_step_does_not_depend_on_attn_quant(kind, monkeypatch):
     monkeypatch.setattr(attn.o, "forward", lambda x: o_inputs.append(type(x)) or o_forward(x))
 
     ropes = []
-    rope_ = tf.rope_
-    monkeypatch.setattr(tf, "rope_", lambda *a, **k: ropes.append(1) or rope_(*a, **k))
+    rope_ = rotary.rope_
+    monkeypatch.setattr(rotary, "rope_", lambda *a, **k: ropes.append(1) or rope_(*a, **k))
 
-    def run(fuse: str):
-        monkeypatch.setenv("LODESTAR_FUSE", fuse)
+    def run(fusions: frozenset):
         calls.clear()
         o_inputs.clear()
         ropes.clear()
         attn.k_cache, attn.v_cache = kc.clone(), vc.clone()
-        out = attn(x, positions, batch)
+        with using(KernelPolicy(fusions=fusions)):
+            out = attn(x, positions, batch)
         # qkv_rope (Llama form; Gemma's q/k norms come before the rotation): no RoPE kernel
-        if fuse == "0" or kind == "llama" and "qkv_rope" in tq.fusions():
-            assert len(ropes) == (1 if fuse == "0" else 0), fuse
+        assert len(ropes) == (0 if kind == "llama" and "qkv_rope" in fusions else 1), sorted(fusions)
         return out, attn.k_cache, attn.v_cache, len(calls), o_inputs[0]
 
-    everything_else = ",".join(n for n in tq.FUSIONS if n != "attn_quant")
-    runs = {fuse: run(fuse) for fuse in ("0", "attn_quant", everything_else, "1", "qkv_rope")}
-    want = runs["0"]
+    everything_else = frozenset(FUSIONS) - {"attn_quant"}
+    runs = {name: run(fusions) for name, fusions in (
+        ("none", frozenset()), ("attn_quant", frozenset({"attn_quant"})), ("all but attn_quant", everything_else),
+        ("all", frozenset(FUSIONS)), ("qkv_rope", frozenset({"qkv_rope"})))}
+    want = runs["none"]
     assert want[0].shape == (3, 256) and torch.isfinite(want[0].float()).all()
-    for fuse, (out, k_cache, v_cache, n_quant, o_input) in runs.items():
-        assert _same_bits(out, want[0]), fuse
-        assert _same_bits(k_cache, want[1]) and _same_bits(v_cache, want[2]), fuse
-        fused = fuse in ("attn_quant", "1")
-        assert (n_quant, o_input) == ((1, tq.QuantizedRows) if fused else (2, torch.Tensor)), fuse
+    for name, (out, k_cache, v_cache, n_quant, o_input) in runs.items():
+        assert _same_bits(out, want[0]), name
+        assert _same_bits(k_cache, want[1]) and _same_bits(v_cache, want[2]), name
+        fused = name in ("attn_quant", "all")
+        assert (n_quant, o_input) == ((1, ql.QuantizedRows) if fused else (2, torch.Tensor)), name
 
 
-ROPE_TYPES = [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE]
+ROPE_TYPES = [pytest.param(t, id=t.name) for t in gt.WORDS_CAPABLE]
 
 
 @pytest.mark.parametrize("qtype", ROPE_TYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_qkv_rope_epilogue_gives_the_bits_of_the_rope_kernel(qtype, head_dim, monkeypatch):
+def test_qkv_rope_epilogue_gives_the_bits_of_the_rope_kernel(qtype, head_dim):
     """``quant_matmul(rope=...)`` (fusion ``qkv_rope``): the q|k|v product with q and k rotated
     and k, v stored at each row's slot by the matrix-vector kernel itself, against the product
     then ``triton_fused.rope_`` with the KV store: the same bits in the output and both caches,
     for one tile per split and several, K splits summed in the kernel, and tile rows of 16 and 8."""
+    with using(ALL):                   # split_sum: K splits summed in the kernel
+        _qkv_rope_epilogue(qtype, head_dim)
+
+
+def _qkv_rope_epilogue(qtype, head_dim: int) -> None:
     dev = kernel_device()
-    monkeypatch.setenv("LODESTAR_FUSE", "1")
     hq, hk, k = 4, 2, 256
     n_q, n_k = hq * head_dim, hk * head_dim
     n = n_q + 2 * n_k
-    pw = tq.pack(qtype, random_gguf(qtype, n, k, seed=31).to(dev), n, k)
+    pw = ql.pack(qtype, random_gguf(qtype, n, k, seed=31).to(dev), n, k)
     from lodestar.layers.rotary import RotaryEmbedding
     rope = RotaryEmbedding(head_dim, 10000.0, 2048).to(dev)
     g = torch.Generator().manual_seed(4)
     slots = 40
     kc0 = torch.randn(slots, hk, head_dim, generator=g).to(torch.bfloat16).to(dev)
     vc0 = torch.randn(slots, hk, head_dim, generator=g).to(torch.bfloat16).to(dev)
-    configs = [tq.GemvConfig(16, 4, 1, 4, words=True), tq.GemvConfig(8, 4, 2, 2, words=True)]
+    configs = [gt.GemvConfig(16, 4, 1, 4, words=True), gt.GemvConfig(8, 4, 2, 2, words=True)]
     for cfg in configs:
-        assert tq.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, cfg)
+        assert gt.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, cfg)
         for m in (1, 3):
             x = _x(m, k, seed=m).to(dev)
             positions = torch.tensor([5, 1900, 0][:m], dtype=torch.int64).to(dev)
@@ -438,80 +446,39 @@ def test_qkv_rope_epilogue_gives_the_bits_of_the_rope_kernel(qtype, head_dim, mo
             assert _same_bits(got, want), (cfg, m)
             assert _same_bits(kg, kw) and _same_bits(vg, vw), (cfg, m)
             assert pw.tile_counters is None or not pw.tile_counters.any()
-    assert not tq.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, tq.GemvConfig(16, 16, 1, 4))         # group tiles
-    assert not tq.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, tq.GemvConfig(2 * head_dim, 8, 1, 4, words=True))
-    assert not tq.rope_epilogue_ok(pw, 3, head_dim, n_q + head_dim, n_k, configs[0])          # not q|k|v rows
-    assert not tq.rope_epilogue_ok(pw, tq.SMALL_M_MAX + 1, head_dim, n_q, n_k, configs[0])
+    assert not gt.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, gt.GemvConfig(16, 16, 1, 4))         # group tiles
+    assert not gt.rope_epilogue_ok(pw, 3, head_dim, n_q, n_k, gt.GemvConfig(2 * head_dim, 8, 1, 4, words=True))
+    assert not gt.rope_epilogue_ok(pw, 3, head_dim, n_q + head_dim, n_k, configs[0])          # not q|k|v rows
+    assert not gt.rope_epilogue_ok(pw, ql.SMALL_M_MAX + 1, head_dim, n_q, n_k, configs[0])
     with pytest.raises(ValueError, match="cannot rotate"):
-        tq.quant_matmul(_x(1, k, 0).to(dev), pw, config=tq.GemvConfig(16, 16, 1, 4),
+        tq.quant_matmul(_x(1, k, 0).to(dev), pw, config=gt.GemvConfig(16, 16, 1, 4),
                         rope=tq.RopeStore(positions[:1], slot_map[:1], rope.cos, rope.sin, kc0, vc0, n_q, n_k,
                                           head_dim))
 
 
-def test_qkv_rope_launch_setting(monkeypatch):
-    monkeypatch.delenv("LODESTAR_QKV_ROPE_PDL", raising=False)
-    assert tq.qkv_rope_pdl(576) == "1" and tq.qkv_rope_pdl(2048) == "wait" and tq.qkv_rope_pdl(4096) == "wait"
-    monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "wait")
-    assert tq.qkv_rope_pdl(576) == "wait"
-    monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "1")
-    assert tq.qkv_rope_pdl() == "1"
-    monkeypatch.setenv("LODESTAR_QKV_ROPE_PDL", "0")
-    with pytest.raises(ValueError, match="LODESTAR_QKV_ROPE_PDL"):
-        tq.qkv_rope_pdl()
+def test_qkv_rope_lets_attention_launch_early_for_narrow_models_only():
+    """A q|k|v kernel that rotates and stores lets decode attention launch as soon as its
+    programs started for rows up to 1024 wide (SmolLM2's 576), only when it ends for wider
+    ones (the rule ``qkv_rope_waits``)."""
+    assert not gt.qkv_rope_waits(576) and not gt.qkv_rope_waits(gt.QKV_ROPE_EARLY_LAUNCH_MAX_K)
+    assert gt.qkv_rope_waits(2048) and gt.qkv_rope_waits(4096)
 
 
-NORM_TYPES = [pytest.param(t, id=t.name) for t in tq.WORDS_CAPABLE if t != tq.T.Q8_0]
-
-
-@pytest.mark.parametrize("qtype", NORM_TYPES)
+@pytest.mark.parametrize("qtype", [pytest.param(ql.T.Q4_0, id="Q4_0"), pytest.param(ql.T.Q4_K, id="Q4_K")])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-def test_norm_in_the_projection_prologue_gives_the_bits_of_the_norm_kernel(qtype, residual, monkeypatch):
-    """``quant_matmul`` of a ``PendingNorm`` (fusion ``quant_norm``: each program of whole-row
-    tiles computes the RMSNorm, adds the residual, writes the sum from row block 0 and
-    quantizes x itself) against the norm kernel then the product: the same bits in the
-    output and in the residual sum, with and without the q|k|v rotation epilogue, for
-    several rows; a tiling with K splits or partial tiles falls back to the norm kernel."""
+def test_packed_projection_of_a_pending_norm_runs_the_norm_kernel_first(qtype, residual):
+    """A ``PendingNorm`` handed to a packed projection (``CudaQuantLinear``; the dense
+    projection's kernel computes it itself) is the norm kernel's output: the bits of
+    ``rms_norm`` then the product, the residual sum written to ``h``."""
     from lodestar.kernels.triton_dense import PendingNorm
-    from lodestar.layers.rotary import RotaryEmbedding
+    from lodestar.layers.cuda_linear import CudaQuantLinear
     dev = kernel_device()
-    monkeypatch.setenv("LODESTAR_FUSE", "1")
-    hd, hq, hk, k = 64, 2, 1, 512
-    n_q, n_k = hq * hd, hk * hd
-    n = n_q + 2 * n_k
-    pw = tq.pack(qtype, random_gguf(qtype, n, k, seed=41).to(dev), n, k)
+    n, k = 48, 512
+    layer = CudaQuantLinear(qtype, random_gguf(qtype, n, k, seed=41), k, n, torch.device(dev))
     w = (torch.rand(k, generator=torch.Generator().manual_seed(5)) + 0.5).to(dev)
-    cfg = tq.GemvConfig(16, k // 32, 1, 4, words=True)
-    assert tq.norm_prologue_ok(pw, 3, cfg)
-    rope = RotaryEmbedding(hd, 10000.0, 2048).to(dev)
-    cache0 = torch.randn(8, hk, hd, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(dev)
-    for m in (1, 3):
-        x = _x(m, k, seed=20 + m).to(dev)
-        r = _x(m, k, seed=30 + m, scale=1.0).to(dev) if residual else None
-        if residual:
-            y, h_want = tf.rms_norm(x, w, 1e-5, residual=r)
-        else:
-            y, h_want = tf.rms_norm(x, w, 1e-5), x
-        want = tq.quant_matmul(y, pw, config=cfg)
-        p = PendingNorm.of(x, w, 1e-5, residual=r)
-        got = tq.quant_matmul(p, pw, config=cfg)
-        assert _same_bits(got, want), m
-        assert _same_bits(p.h, h_want), m
-        # with the rotation epilogue (q|k|v of a decode step)
-        positions = torch.tensor([3, 1000, 0][:m], dtype=torch.int64).to(dev)
-        slots = torch.tensor([1, 7, 4][:m], dtype=torch.int64).to(dev)
-        kw, vw, kg, vg = (cache0.clone() for _ in range(4))
-        store = lambda kc, vc: tq.RopeStore(positions, slots, rope.cos, rope.sin, kc, vc, n_q, n_k, hd)  # noqa: E731
-        want = tq.quant_matmul(y, pw, config=cfg, rope=store(kw, vw))
-        got = tq.quant_matmul(PendingNorm.of(x, w, 1e-5, residual=r), pw, config=cfg, rope=store(kg, vg))
-        assert _same_bits(got, want) and _same_bits(kg, kw) and _same_bits(vg, vw), m
-    # K splits / a tile narrower than the row / Q8_0 / too many rows: the norm kernel first, same bits
-    assert not tq.norm_prologue_ok(pw, 1, tq.GemvConfig(16, k // 64, 2, 4, words=True))
-    assert not tq.norm_prologue_ok(pw, 1, tq.GemvConfig(16, k // 64, 1, 4, words=True))
-    assert not tq.norm_prologue_ok(pw, tq.SMALL_M_MAX + 1, cfg)
-    split = tq.GemvConfig(16, k // 64, 2, 4, words=True)
     x = _x(2, k, seed=50).to(dev)
     r = _x(2, k, seed=51, scale=1.0).to(dev) if residual else None
     y, h_want = tf.rms_norm(x, w, 1e-5, residual=r) if residual else (tf.rms_norm(x, w, 1e-5), x)
     p = PendingNorm.of(x, w, 1e-5, residual=r)
-    assert _same_bits(tq.quant_matmul(p, pw, config=split), tq.quant_matmul(y, pw, config=split))
+    assert _same_bits(layer(p), layer(y))
     assert _same_bits(p.h, h_want)

@@ -6,6 +6,7 @@ import torch
 from triton_helpers import kernel_device
 
 from lodestar.kernels import triton_dense as td
+from lodestar.kernels.policy import KernelPolicy, using
 
 
 @pytest.mark.parametrize("n,k", [(40, 576), (576, 1536), (100, 1000)])
@@ -32,7 +33,7 @@ def test_rows_do_not_depend_on_the_batch():
         assert torch.equal(td.dense_gemv(x[i:i + 1], w, torch.float32, cfg)[0], whole[i])
 
 
-def test_the_layer_uses_it_for_few_rows_and_cublas_beyond(monkeypatch):
+def test_the_layer_uses_it_for_few_rows_and_cublas_beyond():
     dev = kernel_device()
     if dev != "cuda":
         pytest.skip("CudaDenseLinear runs the kernel on CUDA tensors only")
@@ -46,5 +47,5 @@ def test_the_layer_uses_it_for_few_rows_and_cublas_beyond(monkeypatch):
     rows = x[:td.MAX_ROWS + 1]
     assert torch.equal(layer(rows), torch.nn.functional.linear(rows, w))     # cuBLAS beyond MAX_ROWS
     torch.testing.assert_close(layer(x).float(), td.dense_gemv_ref(x, w), rtol=2e-2, atol=2e-2)
-    monkeypatch.setenv("LODESTAR_DENSE_GEMV", "0")
-    assert torch.equal(layer(one), torch.nn.functional.linear(one, w))
+    with using(KernelPolicy(dense_gemv=False)):                                # policy: cuBLAS only
+        assert torch.equal(layer(one), torch.nn.functional.linear(one, w))

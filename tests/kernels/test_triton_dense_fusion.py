@@ -1,12 +1,12 @@
-"""Producer fusions of the dense matrix-vector kernel give the same bits as the unfused
-kernels: RMSNorm (with its residual add) computed in the kernel's prologue
-(``PendingNorm``, fusion ``dense_norm``) against ``rms_norm`` then the kernel, and the gated
-activation computed in its x loads (``PendingGlu``) against ``silu_mul`` / ``gelu_tanh_mul``
-then the kernel. The consumer fusion too: the gated activation applied by the gate|up
-projection to its own output (``dense_gemv_glu``, fusion ``glu_epilogue``, alone or with the
-norm in its prologue) against the projection then ``silu_mul`` / ``gelu_tanh_mul``, and the
-Llama and Gemma 3 MLPs with that fusion on and off. Also: ``rms_norm`` spread over several
-programs per row gives the bits of one.
+"""Fusions of the dense matrix-vector kernel give the same bits as the unfused kernels: the
+producer fusion RMSNorm (with its residual add) computed in the kernel's prologue
+(``PendingNorm``, fusion ``dense_norm``) against ``rms_norm`` then the kernel, and the
+consumer fusion, the gated activation applied by the gate|up projection to its own output
+(``dense_gemv_glu``, fusion ``glu_epilogue``, alone or with the norm in its prologue)
+against the projection then ``silu_mul`` / ``gelu_tanh_mul``, and the Llama and Gemma 3
+MLPs with that fusion on and off. The packed gate|up's fusion ``glu_quant`` through a Llama
+MLP, and a whole synthetic model with the fusions on and off. Also: ``rms_norm`` spread
+over several programs per row gives the bits of one.
 
 Runs on a CUDA device, or on the CPU under TRITON_INTERPRET=1 (see triton_helpers); there
 the weights keep their real K but only 20 rows (a dozen hidden units for gate|up), to bound
@@ -14,14 +14,17 @@ the interpreter's time. The last test runs a small synthetic Llama on CUDA only.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from triton_helpers import kernel_device
 
+from lodestar.kernels import quant_layout as ql
 from lodestar.kernels import triton_dense as td
 from lodestar.kernels import triton_fused as tf
+from lodestar.kernels.policy import FUSIONS, KernelPolicy, using
 
 # tilings: the H200 rule's shape, a K split (each split normalizes its own columns) and
 # other warp counts (the sum-of-squares order must not depend on the layout)
@@ -74,32 +77,15 @@ def test_norm_in_the_gemv_gives_the_bits_of_norm_then_gemv(k, n, residual, cfg):
         assert _same_bits(pending.h, h), m                   # the residual stream, written once
 
 
-@pytest.mark.parametrize("cfg", CONFIGS)
-@pytest.mark.parametrize("f,n", [(1536, 576), (14336, 4096), (1000, 300)], ids=["smollm2_down", "8b_down", "odd"])
-@pytest.mark.parametrize("act", [td.SILU, td.GELU_TANH], ids=["silu", "gelu_tanh"])
-def test_gated_activation_in_the_gemv_gives_the_bits_of_activation_then_gemv(f, n, act, cfg):
-    dev = kernel_device()
-    cfg = cfg or td.config_for(n, f)
-    fn = tf.silu_mul if act == td.SILU else tf.gelu_tanh_mul
-    w = _weight(_rows(n, dev), f, seed=f, dev=dev)
-    for m in (1, 2):
-        gu = _x(m, 2 * f, seed=m, scale=4.0).to(dev)
-        gate, up = gu.split(f, dim=-1)                  # halves of one fused output, as in the MLP
-        for out_dtype in (torch.float32, torch.bfloat16):
-            want = td.dense_gemv(fn(gate, up), w, out_dtype, cfg)
-            got = td.dense_gemv(td.PendingGlu(gate, up, act), w, out_dtype, cfg)
-            assert _same_bits(got, want), (m, out_dtype)
-
-
-def test_pending_inputs_materialize_to_the_unfused_results():
+def test_pending_norm_materializes_to_the_unfused_result():
     dev = kernel_device()
     x, r = _x(1, 576, seed=1).to(dev), _x(1, 576, seed=2).to(dev)
     norm_w = torch.rand(576).to(dev) + 0.5
     pending = td.PendingNorm.of(x, norm_w, EPS, residual=r)
     y, h = tf.rms_norm(x, norm_w, EPS, residual=r)
     assert torch.equal(pending.materialize(), y) and torch.equal(pending.h, h)
-    gate, up = _x(1, 3072, seed=3).to(dev).split(1536, dim=-1)
-    assert torch.equal(td.PendingGlu(gate, up).materialize(), tf.silu_mul(gate, up))
+    alone = td.PendingNorm.of(x, norm_w, EPS)
+    assert torch.equal(alone.materialize(), tf.rms_norm(x, norm_w, EPS)) and alone.h is alone.x
 
 
 def test_fused_x_needs_bf16_rows():
@@ -188,12 +174,14 @@ def test_the_gate_up_epilogue_needs_one_split_and_pairs():
 
 def _mlp(kind: str, dev: str, monkeypatch):
     """One MLP of a tiny BF16 Llama or Gemma 3 geometry with its CUDA layers (gate|up one
-    ``CudaDenseLinear``, 99 hidden units: not a multiple of BLOCK_N / 2). On the CPU the
-    layers are built and run as on a GPU (interpreter): CUDA-layer loading, the kernel for
-    CPU rows, and the activation kernel the GPU path calls."""
+    ``CudaDenseLinear``, 99 hidden units: not a multiple of BLOCK_N / 2), and for Llama the
+    block it is part of (whose ``BlockPlan`` says how the MLP runs). On the CPU the layers are
+    built and run as on a GPU (interpreter): CUDA-layer loading, the kernel for CPU rows, and
+    the activation kernel the GPU path calls."""
     from lodestar.formats.synthetic import Geometry, SyntheticCheckpoint
     from lodestar.layers import activation
     from lodestar.layers.cuda_linear import CudaDenseLinear
+    from lodestar.layers.rotary import RotaryEmbedding
     from lodestar.models import gemma3, llama
     from lodestar.models.weights import WeightLoader
 
@@ -210,40 +198,46 @@ def _mlp(kind: str, dev: str, monkeypatch):
                 monkeypatch.setattr(mod, "silu_mul", tf.silu_mul)
             if hasattr(mod, "gelu_tanh_mul"):
                 monkeypatch.setattr(mod, "gelu_tanh_mul", tf.gelu_tanh_mul)
-    cls = llama.LlamaMLP if kind == "llama" else gemma3.Gemma3MLP
-    mlp = cls(llama.LlamaArgs.from_config(ck.config), w, 0)
+    a = llama.LlamaArgs.from_config(ck.config)
+    if kind == "llama":
+        blk = llama.LlamaBlock(a, w, 0, RotaryEmbedding(a.rope_dim, a.rope_theta, 64).to(dev))
+        mlp = blk.mlp
+    else:
+        blk, mlp = None, gemma3.Gemma3MLP(a, w, 0)
     assert isinstance(mlp.gate_up, CudaDenseLinear)
-    return mlp
+    return mlp, blk
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_mlp_decode_output_does_not_depend_on_the_glu_epilogue(kind, monkeypatch):
-    """One-row decode through the MLP with ``LODESTAR_FUSE`` including and excluding
+    """One-row decode through the MLP with the fusions including and excluding
     ``glu_epilogue``: the same bits (and residual stream), no activation kernel when on.
-    Llama also takes the RMSNorm left to gate|up (fusion ``dense_norm``)."""
-    from lodestar.kernels.triton_quant import FUSIONS, fusions
+    Llama (as its block's plan says) also takes the RMSNorm left to gate|up (fusion
+    ``dense_norm``); Gemma 3's MLP reads the policy itself."""
     dev = kernel_device()
-    mlp = _mlp(kind, dev, monkeypatch)
+    mlp, blk = _mlp(kind, dev, monkeypatch)
     launches = []
     glu = tf._glu
     monkeypatch.setattr(tf, "_glu", lambda *a: launches.append(a) or glu(*a))
     x, r = _x(1, 256, seed=7).to(dev), _x(1, 256, seed=8, scale=1.0).to(dev)
     norm_w = (torch.rand(256, generator=torch.Generator().manual_seed(3)) + 0.5).to(dev)
 
-    def run(fuse: str, form: str):
-        monkeypatch.setenv("LODESTAR_FUSE", fuse)
+    def run(fusions: frozenset, form: str):
         launches.clear()
         res = r if form == "norm+residual" else None
         xin = x if form == "rows" else td.PendingNorm.of(x, norm_w, EPS, residual=res)
-        if kind == "llama":
-            out = mlp(xin, glu_epilogue="glu_epilogue" in fusions())   # as LlamaBlock.forward_gpu passes it
-        else:
-            out = mlp(xin)                                              # reads fusions() itself
+        with using(KernelPolicy(fusions=fusions)):
+            if kind == "llama":
+                step = blk.plan.step(x).mlp                         # as LlamaBlock.forward_gpu passes it
+                assert step.form == ("glu_epilogue" if "glu_epilogue" in fusions else "plain")
+                out = mlp(xin, step)
+            else:
+                out = mlp(xin)                                      # reads the policy itself
         return out, None if form == "rows" else xin.h, len(launches)
 
     for form in ("rows", "norm", "norm+residual") if kind == "llama" else ("rows",):
-        on, h_on, n_on = run("1", form)
-        off, h_off, n_off = run(",".join(n for n in FUSIONS if n != "glu_epilogue"), form)
+        on, h_on, n_on = run(frozenset(FUSIONS), form)
+        off, h_off, n_off = run(frozenset(FUSIONS) - {"glu_epilogue"}, form)
         assert (n_on, n_off) == (0, 1), form
         assert on.shape == (1, 256) and torch.isfinite(on.float()).all()
         assert _same_bits(on, off), form
@@ -251,15 +245,24 @@ def test_mlp_decode_output_does_not_depend_on_the_glu_epilogue(kind, monkeypatch
             assert _same_bits(h_on, h_off), form
 
 
+def _glu_table(path: Path, qtype: str, d_model: int, ffn: int, tiling: str) -> str:
+    """A tiling table file whose ``GLU:`` entry gives a packed gate|up (2 * ``ffn`` rows of
+    ``d_model``) ``tiling``."""
+    path.write_text(json.dumps({"table": {f"GLU:{qtype}:{2 * ffn},{d_model}": tiling}}))
+    return str(path)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
-def test_quantized_mlp_output_does_not_depend_on_the_glu_quant_fusion(rows, monkeypatch):
+def test_quantized_mlp_output_does_not_depend_on_the_glu_quant_fusion(rows, monkeypatch, tmp_path):
     """Decode rows through one MLP of a tiny Q4_0 Llama geometry (``CudaQuantLinear`` gate|up
-    of 2 x 128 rows and down), x quantized by the norm before it: with ``glu_quant`` the
-    gate|up kernel applies SiLU·mul and quantizes for down (no activation kernel), the same
-    bits as the product in the same tiling, then the activation kernel."""
+    of 2 x 128 rows and down), x quantized by the norm before it: with ``glu_quant`` (and a
+    table entry giving the gate|up that tiling) the gate|up kernel applies SiLU·mul and
+    quantizes for down (no activation kernel), the same bits as the product in the same
+    tiling, then the activation kernel."""
     from lodestar.formats.synthetic import Geometry, SyntheticCheckpoint
     from lodestar.kernels import triton_quant as tq
     from lodestar.layers.cuda_linear import CudaQuantLinear
+    from lodestar.layers.rotary import RotaryEmbedding
     from lodestar.models import llama
     from lodestar.models.weights import WeightLoader
     dev = kernel_device()
@@ -267,23 +270,27 @@ def test_quantized_mlp_output_does_not_depend_on_the_glu_quant_fusion(rows, monk
                              "Q4_0", device=dev)
     w = WeightLoader(ck, "packed", device=dev)
     w.cuda = True
-    mlp = llama.LlamaMLP(llama.LlamaArgs.from_config(ck.config), w, 0)
+    a = llama.LlamaArgs.from_config(ck.config)
+    tiling = "64,8,1,4,0,0,1"           # the plain gate|up product in glu_quant's tiling: same sums
+    pol = KernelPolicy(gemv=tiling, gemv_table=_glu_table(tmp_path / "gemv.json", "Q4_0", 256, 128, tiling))
+    with using(pol):
+        blk = llama.LlamaBlock(a, w, 0, RotaryEmbedding(a.rope_dim, a.rope_theta, 64).to(dev))
+    mlp = blk.mlp
     assert isinstance(mlp.gate_up, CudaQuantLinear) and isinstance(mlp.down, CudaQuantLinear)
-    tiling = "64,8,1,4,0,0,0,1"         # the plain gate|up product in glu_quant's tiling: same sums
-    monkeypatch.setenv("LODESTAR_GEMV", tiling)
-    monkeypatch.setenv("LODESTAR_GLU_GEMV", tiling)
     launches = []
     glu = tf._glu
     monkeypatch.setattr(tf, "_glu", lambda *a, **k: launches.append(a) or glu(*a, **k))
     x = _x(rows, 256, seed=rows).to(dev)
-    xq = tq.QuantizedRows(x, *tq.quantize_x(x))
+    xq = ql.QuantizedRows(x, *tq.quantize_x(x))
 
-    def run(fuse: str):
-        monkeypatch.setenv("LODESTAR_FUSE", fuse)
+    def run(*fusions: str):
         launches.clear()
-        return mlp(xq, quantize=True), len(launches)
+        with using(pol.with_fusions(fusions)):
+            step = blk.plan.step(x).mlp                     # as LlamaBlock.forward_gpu passes it
+            assert step.form == ("glu_quant" if "glu_quant" in fusions else "quant")
+            return mlp(xq, step), len(launches)
 
-    on, n_on = run("quant,glu_quant")
+    on, n_on = run("quant", "glu_quant")
     off, n_off = run("quant")
     assert (n_on, n_off) == (0, 1)
     assert on.shape == (rows, 256) and torch.isfinite(on.float()).all()
@@ -292,9 +299,9 @@ def test_quantized_mlp_output_does_not_depend_on_the_glu_quant_fusion(rows, monk
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("qtype,tiling,glu", [("F16", None, False), ("Q4_0", "16,8,2,4,0,0,0,1", False),
-                                              ("Q4_0", "64,8,1,4,0,0,0,1", True)], ids=["F16", "Q4_0-split", "Q4_0-glu"])
-def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, qtype, tiling, glu, monkeypatch):
+@pytest.mark.parametrize("qtype,tiling,glu", [("F16", None, False), ("Q4_0", "16,8,2,4,0,0,1", False),
+                                              ("Q4_0", "64,8,1,4,0,0,1", True)], ids=["F16", "Q4_0-split", "Q4_0-glu"])
+def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, qtype, tiling, glu, tmp_path):
     """SmolLM2-135M's geometry in F16 (dense bf16 projections) and Q4_0 (quantized ones): every
     product in two K splits, so that the split sums, and down's sum in the next norm, run
     (``glu_quant`` left out: its gate|up tiling cannot split K); and every product in tiles of
@@ -304,16 +311,17 @@ def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, qtype, tili
     from lodestar.engine.loader import LoadedModel
     from lodestar.engine.sequence import Sequence
     from lodestar.formats.synthetic import SyntheticCheckpoint, synthetic_tokenizer_metadata
-    from lodestar.kernels.triton_quant import FUSIONS
-    from lodestar.layers.cuda_linear import CudaDenseLinear, CudaQuantLinear, takes_glu_quant
+    from lodestar.layers.cuda_linear import CudaDenseLinear, CudaQuantLinear
     from lodestar.models import build_model
     from lodestar.tokenizer import Tokenizer
 
-    if tiling:
-        monkeypatch.setenv("LODESTAR_GEMV", tiling)
-        monkeypatch.setenv("LODESTAR_GLU_GEMV", tiling)
     ck = SyntheticCheckpoint("smollm2-135m", qtype, device="cuda", n_layers=4)
-    model = build_model(ck.config, ck, "packed", device="cuda")
+    pol = KernelPolicy()
+    if tiling:
+        pol = KernelPolicy(gemv=tiling, gemv_table=_glu_table(tmp_path / "gemv.json", qtype, ck.config.d_model,
+                                                              ck.config.ffn_dim, tiling))
+    with using(pol):        # the tilings in force when the projections reserve their tile counters
+        model = build_model(ck.config, ck, "packed", device="cuda")
     linear = CudaDenseLinear if qtype == "F16" else CudaQuantLinear
     assert isinstance(model.layers[0].attn.qkv, linear) and isinstance(model.layers[0].mlp.down, linear)
     tok = Tokenizer.from_metadata(synthetic_tokenizer_metadata(ck.config.vocab_size))
@@ -321,22 +329,23 @@ def test_synthetic_llama_logits_do_not_depend_on_the_fusions(graphs, qtype, tili
     prompt = torch.randint(10, ck.config.vocab_size, (19,), generator=g).tolist()
     forced = torch.randint(10, ck.config.vocab_size, (12,), generator=g).tolist()
 
-    def run(fuse: str) -> torch.Tensor:
-        monkeypatch.setenv("LODESTAR_FUSE", fuse)
-        engine = LLMEngine(LoadedModel(Path("synthetic"), ck, ck.config, model, tok, "packed", 0.0, "cuda"),
-                           EngineConfig(max_num_seqs=1, kv_tokens=1024, device="cuda"))
-        engine.runner.cuda_graphs = graphs
-        seq = Sequence(1, list(prompt), None)
-        rows = [engine.runner.run([seq], [len(prompt)])[0].float().clone()]
-        for t in forced:
-            seq.output_ids.append(t)
-            rows.append(engine.runner.run([seq], [1])[0].float().clone())
-        engine.pool.free(seq.block_table)
+    def run(fusions) -> torch.Tensor:
+        with using(pol.with_fusions(fusions)):
+            engine = LLMEngine(LoadedModel(Path("synthetic"), ck, ck.config, model, tok, "packed", 0.0, "cuda"),
+                               EngineConfig(max_num_seqs=1, kv_tokens=1024, device="cuda"))
+            engine.runner.cuda_graphs = graphs
+            seq = Sequence(1, list(prompt), None)
+            rows = [engine.runner.run([seq], [len(prompt)])[0].float().clone()]
+            for t in forced:
+                seq.output_ids.append(t)
+                rows.append(engine.runner.run([seq], [1])[0].float().clone())
+            engine.pool.free(seq.block_table)
         return torch.stack(rows)
 
-    monkeypatch.setenv("LODESTAR_FUSE", "1")
-    mlp = model.layers[0].mlp
-    assert takes_glu_quant(mlp.gate_up, torch.empty(1, ck.config.d_model), mlp.ffn_dim) == glu
-    fused, unfused = run("1" if glu or qtype == "F16" else ",".join(n for n in FUSIONS if n != "glu_quant")), run("0")
+    fusions = FUSIONS if glu or qtype == "F16" else [n for n in FUSIONS if n != "glu_quant"]
+    with using(pol.with_fusions(fusions)):
+        x = torch.empty(1, ck.config.d_model, dtype=torch.bfloat16, device="cuda")
+        assert (model.layers[0].plan.step(x).mlp.form == "glu_quant") == glu
+    fused, unfused = run(fusions), run(())
     assert torch.isfinite(fused).all()
     assert torch.equal(fused.view(torch.int32), unfused.view(torch.int32))

@@ -1,4 +1,5 @@
-"""Fused RMSNorm (+ residual), RoPE and gated activations against torch references."""
+"""Fused RMSNorm (+ residual), RoPE and gated activations against torch references; the L2
+weight prefetch those kernels can issue; the embedding-row kernel."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from triton_helpers import kernel_device
 
+from lodestar.kernels import launch
 from lodestar.kernels import triton_fused as tf
+from lodestar.kernels.policy import MIB, KernelPolicy, using
 
 
 def _tol(dtype: torch.dtype, dev: str) -> dict:
@@ -99,47 +102,59 @@ def test_gated_activations_on_fused_halves(dtype):
 # ------------------------------------------------------------------ weight prefetch
 
 def test_weight_prefetch_plan_takes_the_largest_arrays_whole_when_they_fit():
-    from lodestar.kernels import triton_quant as tq
     codes, scales, mins, tiny = (1 << 20, 1_600_000), (1 << 30, 100_000), (3 << 30, 100_008), (5 << 30, 64)
     ranges = [tiny, scales, codes, mins]
     total = sum(n for _, n in ranges)
-    extra, *args = tq.prefetch_plan(ranges, total, sms=132, programs_per_row=4, lanes=256)
-    assert extra == 33 and len(args) == 3 * tq.PREFETCH_RANGES
-    triples = [tuple(args[i:i + 3]) for i in range(0, len(args), 3)]
-    assert [t[:2] for t in triples] == [codes, (mins[0], 100_000), scales]   # largest first, whole 16s
     lanes = 33 * 4 * 256
-    for _, n, chunk in triples:
-        assert chunk % 16 == 0 and n <= chunk * lanes < n + 16 * lanes       # spread over every lane
+    line = launch.PREFETCH_LINE
+    for form in (line, 1):      # 128-byte lines (what prefetch_launch asks for), bulk prefetches
+        extra, *args = launch.prefetch_plan(ranges, total, sms=132, programs_per_row=4, lanes=256, form=form)
+        assert extra == 33 and len(args) == 3 * launch.PREFETCH_RANGES
+        triples = [tuple(args[i:i + 3]) for i in range(0, len(args), 3)]
+        assert [t[:2] for t in triples] == [codes, (mins[0], 100_000), scales]   # largest first, whole 16s
+        for _, n, step in triples:                                              # spread over every lane
+            if form == 1:       # a chunk of 16-byte multiples a lane
+                assert step % 16 == 0 and n <= step * lanes < n + 16 * lanes
+            else:               # lines a lane
+                assert n <= step * lanes * line < n + lanes * line
+    assert launch.prefetch_plan(ranges, total, sms=132, programs_per_row=4, lanes=256) == \
+        launch.prefetch_plan(ranges, total, sms=132, programs_per_row=4, lanes=256, form=line)    # the default
     # over the limit: nothing; an unaligned array is skipped
-    assert tq.prefetch_plan(ranges, total - 1, sms=132, programs_per_row=4, lanes=256)[1:] == (0,) * 9
-    _, *args = tq.prefetch_plan([codes, (scales[0] + 8, scales[1])], 1 << 40, sms=132, programs_per_row=1,
-                                lanes=128)
-    assert args[:3] == [codes[0], codes[1], (-(-codes[1] // (132 * 128)) + 15) // 16 * 16] and args[3:] == [0] * 6
-    # line form: prefetches of 128 bytes per lane, enough for every line
-    _, *args = tq.prefetch_plan([codes], 1 << 40, sms=132, programs_per_row=1, lanes=128, form=128)
-    assert args[:3] == [codes[0], codes[1], -(-codes[1] // (132 * 128 * 128))]
+    assert launch.prefetch_plan(ranges, total - 1, sms=132, programs_per_row=4, lanes=256)[1:] == (0,) * 9
+    _, *args = launch.prefetch_plan([codes, (scales[0] + 8, scales[1])], 1 << 40, sms=132, programs_per_row=1,
+                                    lanes=128)
+    assert args[:3] == [codes[0], codes[1], -(-codes[1] // (132 * 128 * line))] and args[3:] == [0] * 6
+    _, *args = launch.prefetch_plan([codes], 1 << 40, sms=132, programs_per_row=1, lanes=128, form=1)
+    assert args[:3] == [codes[0], codes[1], (-(-codes[1] // (132 * 128)) + 15) // 16 * 16]
 
 
-def test_weight_prefetch_limit_and_where_it_applies(monkeypatch):
-    from lodestar.kernels import triton_quant as tq
-    # its MiB setting: test_triton_quant.py::test_prefetch_limits_read_mib_settings
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "16")
+def test_weight_prefetch_limit_and_where_it_applies():
+    """The policy's ``weight_prefetch_bytes`` (its switch: test_policy.py) bounds what a small
+    kernel asks for; never for CPU arrays, without arrays, or with the limit 0."""
     cpu = [torch.zeros(1 << 16, dtype=torch.uint8)]
-    assert tq.prefetch_launch(cpu, 1, 4, 256) == (0, (0,) * (3 * tq.PREFETCH_RANGES), 0)    # CPU: never
-    assert tq.prefetch_launch(None, 1, 4, 256)[0] == 0
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", "sector")
-    assert tq.weight_prefetch_form() == 32
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", "tma")
-    with pytest.raises(ValueError, match="LODESTAR_WEIGHT_PREFETCH_FORM"):
-        tq.weight_prefetch_form()
-    assert tq.prefetch_waits()
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_EARLY", "1")
-    assert not tq.prefetch_waits()
+    none = (0, (0,) * (3 * launch.PREFETCH_RANGES), 0)
+    for limit in (16 * MIB, 0):
+        with using(KernelPolicy(weight_prefetch_bytes=limit)):
+            assert launch.prefetch_launch(cpu, 1, 4, 256) == none                  # CPU: never
+            assert launch.prefetch_launch(None, 1, 4, 256) == none
+            assert launch.prefetch_launch([], 1, 4, 256) == none
+    with using(KernelPolicy(side_prefetch_bytes=16 * MIB)):
+        assert launch.side_prefetch(cpu) is None                                   # a no-op off the GPU
+        assert launch.side_prefetch(None) is None
+    if torch.cuda.is_available() and not launch.interpreted():
+        gpu = [torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")]             # 1 MiB
+        with using(KernelPolicy(weight_prefetch_bytes=2 * MIB)):
+            extra, args, form = launch.prefetch_launch(gpu, 1, 4, 256)
+            assert extra > 0 and args[:2] == (gpu[0].data_ptr(), 1 << 20) and form == launch.PREFETCH_LINE
+            assert launch.prefetch_launch(gpu, launch.SMALL_M_MAX + 1, 4, 256) == none   # not a decode step
+        with using(KernelPolicy(weight_prefetch_bytes=MIB // 2)):
+            assert launch.prefetch_launch(gpu, 1, 4, 256) == none                  # over the limit
+        with using(KernelPolicy(weight_prefetch_bytes=0)):
+            assert launch.prefetch_launch(gpu, 1, 4, 256) == none
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight prefetch runs on the GPU only")
-def test_weight_prefetch_changes_no_result(monkeypatch):
-    from lodestar.kernels import triton_quant as tq
+def test_weight_prefetch_changes_no_result():
     g = torch.Generator().manual_seed(5)
     arrays = [torch.randint(0, 255, (6 << 20,), generator=g, dtype=torch.uint8).cuda(),
               torch.randn(1 << 18, generator=g).half().cuda(), torch.randn(999, generator=g).cuda()]
@@ -162,22 +177,18 @@ def test_weight_prefetch_changes_no_result(monkeypatch):
         torch.cuda.synchronize()
         return [y.x, y.words, y.d1, y.sums, h, qkv, kc, vc, a.x, a.words, a.d1, a.sums]
 
-    monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", "0")
-    ref = run()
-    for form, early in [(f, "0") for f in tq.PREFETCH_FORMS] + [("line", "1")]:
-        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_FORM", form)
-        monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH_EARLY", early)
-        for mib in ("7", "64"):
-            monkeypatch.setenv("LODESTAR_WEIGHT_PREFETCH", mib)
-            assert tq.prefetch_launch(arrays, 1, 4, 256)[0] > 0
+    with using(KernelPolicy(weight_prefetch_bytes=0)):
+        ref = run()
+    for mib in (7, 64):
+        with using(KernelPolicy(weight_prefetch_bytes=mib * MIB)):
+            assert launch.prefetch_launch(arrays, 1, 4, 256)[0] > 0
             for got, want in zip(run(), ref):
                 assert torch.equal(got, want)
 
 
-def test_embedding_rows_copies_the_table_rows(monkeypatch):
+def test_embedding_rows_copies_the_table_rows():
     """``embedding_rows`` gives ``F.embedding``'s rows (bf16 and fp32 tables, a table with a
-    row stride past its width, ids in any shape; an id outside the table: zeros), and the
-    CUDA embedding module uses it for a decode step's ids unless ``LODESTAR_EMBED_KERNEL=0``."""
+    row stride past its width, ids in any shape; an id outside the table: zeros)."""
     from lodestar.kernels.triton_fused import EMBED_BLOCK, embedding_rows
     dev = kernel_device()
     g = torch.Generator().manual_seed(3)
@@ -191,11 +202,3 @@ def test_embedding_rows_copies_the_table_rows(monkeypatch):
         assert (bad[:2] == 0).all() and torch.equal(bad[2], table[4])
     with pytest.raises(ValueError, match="int64 ids"):
         embedding_rows(ids.int(), table)
-    from lodestar.layers import cuda_linear
-    monkeypatch.setenv("LODESTAR_EMBED_KERNEL", "2")
-    with pytest.raises(ValueError, match="LODESTAR_EMBED_KERNEL"):
-        cuda_linear.embed_kernel_on()
-    monkeypatch.setenv("LODESTAR_EMBED_KERNEL", "0")
-    assert not cuda_linear.embed_kernel_on()
-    monkeypatch.delenv("LODESTAR_EMBED_KERNEL")
-    assert cuda_linear.embed_kernel_on()

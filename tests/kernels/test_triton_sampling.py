@@ -117,7 +117,7 @@ def test_row_stride_of_a_wider_tensor():
 
 
 def test_split_sizes(monkeypatch):
-    monkeypatch.setattr(ts, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ts, "num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     assert ts.split(1, 49152, cpu) == (B, 12)
     for rows in (1, 2, 3, 8, 64, 200):

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 
-from lodestar.kernels.triton_quant import triton_enabled
+from lodestar.kernels.launch import triton_enabled
 
 F16_SCALE_OFFSETS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
