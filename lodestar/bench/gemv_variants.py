@@ -44,6 +44,8 @@ from typing import Callable
 
 import torch
 
+from lodestar.bench.gpu_kernels import replay_ms
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "head": (49152, 4096)}
 # Shapes timed only when ``--configs`` names them: Llama-3.1-8B's v and q|k alone (Q4_K_M keeps
@@ -115,7 +117,12 @@ def configs(n: int, k: int, device: torch.device, qtype=None,
     each of ``TILINGS`` (with ``only``: just those names) or, with ``explicit`` (config
     texts), those configs named by their text (round ``config``). Configs equal to an
     earlier one, or with tiles wider than the row, are left out."""
-    from lodestar.kernels.gemv_tiling import T, default_gemv_config, parse_gemv_config, table_entry
+    from lodestar.kernels.gemv_tiling import (
+        T,
+        default_gemv_config,
+        parse_gemv_config,
+        table_entry,
+    )
     from lodestar.kernels.quant_layout import GROUP
     base = default_gemv_config(n, k, device)
     out = [("default", "default", base)]
@@ -203,14 +210,7 @@ def _graph_times(launch: Callable, weights: list, iters: int) -> list[float]:
         for i in range(REPS):
             launch(weights[i % len(weights)])
     graph.replay()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / REPS)
+    times = [ms * 1e3 / REPS for ms in replay_ms(graph, iters)]
     del graph
     return times
 
