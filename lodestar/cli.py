@@ -112,22 +112,82 @@ def prompt_ids(engine, text: str, raw: bool, system: str | None) -> list[int]:
 
 
 # -- generate -------------------------------------------------------------------
+def _add_grammar_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output (one of)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="output one JSON value valid under the JSON schema in FILE")
+    x.add_argument("--regex", metavar="R", default=None,
+                   help="output text that the regular expression R matches whole")
+    x.add_argument("--grammar", metavar="FILE", default=None,
+                   help="output text of the grammar in FILE (Lark, as llguidance reads it, or llama.cpp GBNF)")
+    x.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="output exactly one of the choices (repeat: --choice yes --choice no)")
+    g.add_argument("--no-jump-forward", action="store_true",
+                   help="sample every token, also those the grammar forces (default: append them without a "
+                        "forward pass each)")
+
+
+def _grammar_spec(a: argparse.Namespace):
+    """The GrammarSpec of --json-schema/--regex/--grammar/--choice (None without one); a file that
+    cannot be read or a malformed spec is a CLIError naming the flag."""
+    from lodestar.engine.grammar import GrammarSpec
+
+    def read(flag: str, path: str) -> str:
+        try:
+            return Path(path).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"{flag} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+    if getattr(a, "json_schema", None) is not None:
+        spec = GrammarSpec("json_schema", read("--json-schema", a.json_schema), "--json-schema")
+    elif getattr(a, "regex", None) is not None:
+        spec = GrammarSpec("regex", a.regex, "--regex")
+    elif getattr(a, "grammar", None) is not None:
+        spec = GrammarSpec("grammar", read("--grammar", a.grammar), "--grammar")
+    elif getattr(a, "choice", None):
+        spec = GrammarSpec("choice", list(a.choice), "--choice")
+    else:
+        return None
+    try:
+        spec.source()               # syntax errors before the model loads
+    except ValueError as e:         # GrammarError, or the library's own for a regex
+        raise _grammar_error(e, spec.field) from None
+    return spec
+
+
+def _grammar_error(e: ValueError, flag: str) -> CLIError:
+    reason = getattr(e, "reason", None) or str(e)
+    return CLIError(f"{flag}: {' '.join(str(reason).split())}")
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
+    from lodestar.engine.grammar import GrammarError
     text = a.prompt
     if text == "-":
         text = sys.stdin.read()
     params = _sampling_params(a)
+    params.grammar = _grammar_spec(a)
+    params.jump_forward = not a.no_jump_forward
     engine = _load_engine(a)
+    if params.grammar is not None:
+        try:
+            engine.compile_grammar(params.grammar)     # against this model's vocabulary
+        except GrammarError as e:
+            engine.close()
+            engine.loaded.close()
+            raise _grammar_error(e, params.grammar.field) from None
     ids = prompt_ids(engine, text, a.raw, a.system)
     t0 = time.perf_counter()
     t_first = None
-    n = 0
+    n = forced = 0
     reason = None
     try:
         for out in engine.stream(ids, params):
             if t_first is None:
                 t_first = time.perf_counter()
             n += len(out.token_ids)
+            forced = out.forced_tokens
             if out.text:
                 sys.stdout.write(out.text)
                 sys.stdout.flush()
@@ -145,7 +205,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         decode = t1 - (t_first or t1)
         print(f"[{engine.loaded.path.name} {engine.loaded.mode}] load {engine.loaded.load_seconds:.2f}s | "
               f"prompt {len(ids)} tok, {len(ids) / max(prefill, 1e-9):.1f} tok/s | "
-              f"generated {n} tok, {max(n - 1, 0) / max(decode, 1e-9):.1f} tok/s | finish: {reason}",
+              f"generated {n} tok, {max(n - 1, 0) / max(decode, 1e-9):.1f} tok/s"
+              f"{f' ({forced} forced by the grammar)' if params.grammar is not None else ''} | finish: {reason}",
               file=sys.stderr)
     return 0
 
@@ -438,7 +499,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     import importlib
     module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http",
-              "gguf-fuzz": "fuzz_gguf", "fuzz": "fuzz_http"}[a.bench]
+              "gguf-fuzz": "fuzz_gguf", "fuzz": "fuzz_http", "structured": "structured"}[a.bench]
     if a.tensor_parallel != 1:
         from lodestar.engine.loader import TENSOR_PARALLEL_ENV
         if a.tensor_parallel < 1:
@@ -469,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-q", "--quiet", action="store_true", help="no stats on stderr")
     _add_model_args(g)
     _add_sampling_args(g, temperature=0.0)
+    _add_grammar_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
@@ -539,6 +601,41 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--runs", type=int, default=3)
     bh.add_argument("--json", type=Path, default=None)
     bh.set_defaults(func=cmd_bench)
+    bs = bsub.add_parser("structured", help="constrained decoding: output validity, cost vs unconstrained, "
+                         "jump-forward gain, batch exactness")
+    _add_model_args(bs)
+    bs.add_argument("--parts", default="validity,cost,jump,exact",
+                    help="comma-separated parts to run: validity, cost, jump, exact (default all)")
+    bs.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up (cost, jump; default 3)")
+    bs.add_argument("--batch", type=int, default=16, help="validity: requests decoded together (default 16)")
+    bs.add_argument("--schemas", type=int, default=None, help="validity: use the first N schemas (default all)")
+    bs.add_argument("--seeds", type=int, default=7,
+                    help="validity: sampled requests per schema, besides the greedy one (default 7)")
+    bs.add_argument("--temperature", type=float, default=0.8, help="of the sampled requests (default 0.8)")
+    bs.add_argument("--tools", type=int, default=None,
+                    help="validity: forced calls of the first N tools (default all)")
+    bs.add_argument("--tool-seeds", type=int, default=3,
+                    help="validity: sampled requests per tool, besides the greedy one (default 3)")
+    bs.add_argument("--max-tokens", type=int, default=384,
+                    help="new tokens per request at most (validity, jump, exact's jump-forward check; default 384)")
+    bs.add_argument("--cost-tokens", type=int, default=64, help="cost: new tokens per request (default 64)")
+    bs.add_argument("--cost-batches", type=int, nargs="+", default=[1, 16], help="cost: batch sizes (default 1 16)")
+    bs.add_argument("--jump-schemas", type=int, default=None,
+                    help="jump: use the first N KEY_HEAVY schemas (default all)")
+    bs.add_argument("--exact-targets", type=int, default=3,
+                    help="exact: requests checked per mode, the last one sampled with a seed (default 3)")
+    bs.add_argument("--exact-tokens", type=int, default=48,
+                    help="exact: new tokens per request of the batch comparison (default 48)")
+    bs.add_argument("--exact-jump", type=int, default=1,
+                    help="exact: KEY_HEAVY schemas whose tokens with jump-forward on and off are compared, per "
+                         "mode (default 1)")
+    bs.add_argument("--exact-modes", nargs="+", default=["fp32", "packed"], choices=["packed", "fp32", "bf16"],
+                    help="exact: weight modes to check (default fp32 packed)")
+    bs.add_argument("--strict", action="store_true",
+                    help="exit 1 when an output is not valid (cut off at --max-tokens included), a batched request "
+                         "differs or jump-forward changes the text")
+    bs.add_argument("--json", "--out", dest="json", type=Path, default=None, help="write results as JSON here")
+    bs.set_defaults(func=cmd_bench)
     bz = bsub.add_parser("fuzz", help="hostile and malformed HTTP requests against a local server: no 5xx, no "
                          "hang, memory and latency back where they started")
     _add_fuzz_args(bz, "model to serve", 10_000, "requests to send", "a request")

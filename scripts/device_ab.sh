@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The redesign's proof on the lent GPU, in two calls (each under the device's 10-minute limit):
+# Runs on the lent GPU, each under the device's 10-minute limit per call:
 #
 #   OUT=DIR bash scripts/device_ab.sh tests    # GPU tests of this tree -> $OUT/pytest.xml
 #   OUT=DIR bash scripts/device_ab.sh ab       # this tree against .ab/base -> $OUT/ab.json
 #   OUT=DIR bash scripts/device_ab.sh goldens  # the real default model's GPU tests (its package
 #                                              # carried as .model/smol.tar.part00 + part01)
+#   OUT=DIR bash scripts/device_ab.sh structured  # structured output: GPU tests and the bench on
+#                                              # the default model (both halves carried) and
+#                                              # synthetic 8B -> $OUT/structured-*.json
 #
 # .ab/base holds the baseline's lodestar/ (git archive BASE lodestar | tar -x -C .ab/base);
 # .whl/ holds wheels of what the machine lacks (gguf, pytest, ...). Both are git-ignored and
@@ -16,7 +19,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 DEPS=/tmp/lodestar-pydeps
 export PYTHONPATH="$DEPS" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-for pkg in gguf yaml:pyyaml tqdm jinja2 markupsafe pytest:pytest,pluggy,iniconfig,packaging xdist:pytest-xdist,execnet; do
+for pkg in gguf yaml:pyyaml tqdm jinja2 markupsafe pytest:pytest,pluggy,iniconfig,packaging xdist:pytest-xdist,execnet \
+           llguidance jsonschema:jsonschema,attrs,referencing,rpds-py,jsonschema-specifications; do
   mod=${pkg%%:*}; names=${pkg#*:}; [ "$names" = "$pkg" ] && names=$mod
   $PY -c "import $mod" 2>/dev/null && continue
   for n in ${names//,/ }; do
@@ -38,5 +42,19 @@ case "${1:-}" in
     PYTHONPATH="$PWD:$DEPS" timeout -k 10 ${TESTS_S:-300} $PY -m pytest -q -p no:cacheprovider -o addopts="" -n 8 \
       --junitxml="$OUT/pytest-goldens.xml" tests/engine/test_cuda_exactness.py tests/engine/test_overlap.py \
       tests/models tests/layers/test_linear.py tests/kernels/test_dequant.py 2>&1 | tail -30 | tee "$OUT/pytest-goldens.txt" ;;
-  *) echo "usage: OUT=DIR $0 tests|goldens|ab"; exit 2 ;;
+  structured)
+    # structured output: GPU tests on the default model, every part of `lodestar bench structured`
+    # on it, and the cost part on synthetic 8B (F16, Q4_K_M) for the mask path at real step times
+    cat .model/smol.tar.part00 .model/smol.tar.part01 | tar -x -C "$DEPS" || { echo "model halves missing"; exit 3; }
+    PYTHONPATH="$PWD:$DEPS" timeout -k 10 180 $PY -m pytest -q -p no:cacheprovider -o addopts="" -n 4 \
+      --junitxml="$OUT/pytest-structured.xml" tests/engine/test_grammar_cuda.py tests/engine/test_cuda_exactness.py \
+      tests/engine/test_overlap.py tests/engine/test_sampling.py 2>&1 | tail -20 | tee "$OUT/pytest-structured.txt"
+    PYTHONPATH="$PWD:$DEPS" timeout -k 10 200 $PY -m lodestar.cli bench structured --device cuda \
+      --cost-tokens 256 --runs 5 --out "$OUT/structured-smollm2.json" 2>&1 | tail -40 | tee "$OUT/structured.txt"
+    for m in synthetic:llama-3.1-8b:F16 synthetic:llama-3.1-8b:Q4_K_M; do
+      PYTHONPATH="$PWD:$DEPS" timeout -k 10 150 $PY -m lodestar.cli bench structured --device cuda \
+        --model "$m" --parts cost --cost-tokens 256 --runs 5 --out "$OUT/structured-8b-${m##*:}.json" 2>&1 \
+        | tail -8 | tee -a "$OUT/structured.txt"
+    done ;;
+  *) echo "usage: OUT=DIR $0 tests|goldens|ab|structured"; exit 2 ;;
 esac

@@ -84,3 +84,60 @@ def test_chat_ctrl_c_stops_answer_not_program(smollm_path):
         p.kill()
     assert p.returncode == 0, err
     assert "interrupted" in err
+
+
+# -- structured output flags -------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_generate_json_schema_output_is_valid_json(smollm_path, tmp_path):
+    import json
+
+    import jsonschema
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    r = run("generate", "-p", "Describe a person as JSON.", "--json-schema", str(schema), "-n", "30",
+            "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), PERSON)
+    assert "forced by the grammar" in r.stderr and "finish: stop" in r.stderr
+
+
+def test_generate_choice_and_regex(smollm_path):
+    r = run("generate", "-p", "Is the sky blue? Answer yes or no.", "--choice", "yes", "--choice", "no", "-n", "5",
+            "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() in ("yes", "no")
+    r = run("generate", "-p", "Give a date.", "--regex", "[0-9]{4}-[0-9]{2}-[0-9]{2}", "--no-jump-forward", "-n", "20",
+            "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    import re
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r.stdout.strip()), r.stdout
+    assert "(0 forced by the grammar)" in r.stderr
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda d: ["--json-schema", str(d / "missing.json")], "--json-schema"),
+    (lambda d: ["--json-schema", str(_write(d / "bad.json", "{not json"))], "--json-schema: the JSON schema is not"),
+    (lambda d: ["--json-schema", str(_write(d / "list.json", "[1, 2]"))], "--json-schema: a JSON schema must be"),
+    (lambda d: ["--regex", "[a-"], "--regex:"),
+    (lambda d: ["--grammar", str(_write(d / "bad.lark", "start: ::= ???"))], "--grammar:"),
+    (lambda d: ["--choice", ""], "--choice:"),
+])
+def test_bad_grammar_flag_is_one_line_exit_2(make, needle, smollm_path, tmp_path):
+    r = run("generate", "-p", "hi", "-n", "4", "--threads", "1", *make(tmp_path))
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("loading")]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_grammar_flags_are_mutually_exclusive():
+    r = run("generate", "-p", "hi", "--regex", "a", "--choice", "a")
+    assert r.returncode == 2 and "not allowed with" in r.stderr
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path

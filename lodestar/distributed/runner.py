@@ -45,8 +45,8 @@ class TPModelRunner(ModelRunner):
             ) -> torch.Tensor | None:
         for s, n in zip(seqs, num_new):   # the workers get the finished block tables
             self.ensure_blocks(s, s.num_computed + n)
-        rows = [(s.num_computed, s.token_slice(s.num_computed, s.num_computed + n), list(s.block_table))
-                for s, n in zip(seqs, num_new)]
+        rows = [(s.num_computed, s.token_slice(s.num_computed, s.num_computed + n), list(s.block_table),
+                 s.prompt_len) for s, n in zip(seqs, num_new)]
         self.group.send(("step", rows, list(num_new), None if want_logits is None else list(want_logits)))
         try:
             out = super().run(seqs, num_new, want_logits)

@@ -31,6 +31,7 @@ class StepRow:
     num_computed: int
     tokens: list[int]               # the tokens fed this step, from position num_computed
     block_table: list[int]
+    prompt_len: int                 # tokens of the prompt (the rest is output)
     start: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -108,6 +108,11 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(rid)
 
+    async def compile_grammar(self, spec) -> None:
+        """Compile a request's grammar on a worker thread (the engine thread keeps stepping);
+        raises engine.grammar.GrammarError. ``generate`` then finds it compiled."""
+        await asyncio.to_thread(self.engine.compile_grammar, spec)
+
     def abort(self, request_id: int) -> None:
         self._inbox.put(("abort", request_id))
 

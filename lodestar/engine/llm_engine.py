@@ -13,6 +13,14 @@ outputs, the KV blocks it frees and the blocks the prefix cache registers are th
 step-by-step loop. Any other step (a prefill, a sampled or penalized row, a waiting request
 that could be admitted, too few free blocks: ``Scheduler.can_continue``) first finishes the
 queued step.
+
+Structured output: a request with ``SamplingParams.grammar`` gets a ``GrammarMatcher``
+(``engine.grammar``) on its sampler state. Each step fills the bitmasks of the sampled
+rows that have one on the host -- on a GPU while the device computes the step's logits --
+and the sampler applies them. The matcher advances only on accepted tokens; when the
+grammar is complete the request stops at once. Jump-forward: after a token, the tokens
+the grammar then forces are appended without sampling, and the next step feeds them
+with the row's last token as one chunk (one forward pass for the whole run).
 """
 from __future__ import annotations
 
@@ -23,14 +31,16 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lodestar.engine.detokenizer import IncrementalDetokenizer
 from lodestar.engine.faults import ModelFaultError, NonFiniteLogitsError, model_fault
+from lodestar.engine.grammar import GrammarCompiler, GrammarSpec
 from lodestar.engine.kv_cache import BlockPool
 from lodestar.engine.loader import LoadedModel
 from lodestar.engine.model_runner import ModelRunner, PendingDecode
-from lodestar.engine.sampling import SampleResult, Sampler, SamplerState, SamplingParams, plain_greedy
+from lodestar.engine.sampling import SampleResult, Sampler, SamplerState, SamplingParams, argmax_only, plain_greedy
 from lodestar.engine.scheduler import ScheduledBatch, Scheduler
 from lodestar.engine.sequence import Sequence
 
@@ -84,6 +94,7 @@ class RequestOutput:
     cached_tokens: int = 0          # prompt tokens whose KV came from the cache (memory or disk)
     cache_read_disk_tokens: int = 0 # ... of which were read from the disk tier
     cache_write_tokens: int = 0     # tokens of this request checkpointed to the disk tier
+    forced_tokens: int = 0          # output tokens a grammar forced (jump-forward), so far
 
 
 @dataclass
@@ -99,6 +110,13 @@ class Completion:
 
 
 log = logging.getLogger("lodestar.engine")
+
+
+class _NoGrammar:
+    grammar = None
+
+
+_NO_GRAMMAR = _NoGrammar()
 
 PREFILL_LOG_S = 10.0    # a prompt still prefilling after this long is logged, and again at this interval
 
@@ -153,6 +171,9 @@ class LLMEngine:
                                    self.max_model_len, self.stats, on_cached=self._remember_block,
                                    extend_prefix=self._attach_from_disk if self.disk is not None else None)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size)
+        self._masks: torch.Tensor | None = None    # host bitmask buffer, [rows, words] int32
+        self._masks_np: np.ndarray | None = None    # ... and a numpy view of it
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
         self._skip_ids = frozenset(self.tokenizer.special_ids)
@@ -176,13 +197,20 @@ class LLMEngine:
             raise ValueError(f"logit_bias / stop_token_ids name token ids outside [0, {vocab}): {bad[:5]}")
         if len(prompt_ids) + 1 > self.max_model_len:
             raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_model_len)
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         seq = Sequence(next(self._ids), list(prompt_ids), params)
         seq.sampler_state = SamplerState(params, prompt_ids)
+        seq.sampler_state.grammar = matcher
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer.token_bytes, self._skip_ids, params.stop,
                                                  params.include_stop_str_in_output)
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile (and cache) a request's grammar ahead of ``add_request``; raises GrammarError.
+        Thread-safe, so a server can compile on a worker thread rather than the engine's."""
+        self.grammars.compile(spec)
 
     def abort(self, request_id: int) -> None:
         seq = self.requests.get(request_id)
@@ -284,6 +312,7 @@ class LLMEngine:
             return []
         if self._overlappable(batch):
             self._inflight = self.runner.launch(batch.seqs)
+            self._pick(self._inflight)
             self.stats["overlapped_steps"] += 1
             return self._collect()
         logits = self._run(batch)
@@ -311,10 +340,38 @@ class LLMEngine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[SampleResult]:
         if not seqs:
             return []
+        states = [s.sampler_state for s in seqs]
         try:
-            return self.sampler.sample(logits, [s.sampler_state for s in seqs])
+            return self.sampler.sample(logits, states, self._grammar_masks(states))
         except NonFiniteLogitsError as e:
             raise self._model_fault(str(e)) from None
+
+    def _grammar_masks(self, states: list[SamplerState]) -> torch.Tensor | None:
+        """The next-token bitmasks of the rows with a grammar (None when no row has one).
+
+        Called after the step was launched, so on a GPU the host fills them while the device
+        computes the logits. A row whose grammar allows no token at all (a dead end the
+        compiler could not see) is allowed end-of-sequence, so it ends instead of failing
+        the batch."""
+        matchers = [s.grammar for s in states]
+        if all(m is None for m in matchers):
+            return None
+        g = self.grammars
+        if self._masks is None or self._masks.shape[0] < len(states):
+            rows = max(len(states), self.config.max_num_seqs)
+            self._masks = torch.zeros((rows, g.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._masks_np = self._masks.numpy()
+        t0 = time.perf_counter()
+        g.fill_masks(matchers, self._masks)
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        for i in rows:
+            if not self._masks_np[i].any():      # (numpy: a torch op per row costs ~10x more here)
+                log.warning("grammar of %s allows no token; ending its output", matchers[i].spec.field)
+                for e in self.tokenizer.eos_ids:
+                    self._masks_np[i, e // 32] |= np.int32(np.uint32(1 << (e % 32)).view(np.int32))
+        self.stats["grammar_mask_rows"] += len(rows)
+        self.stats["grammar_mask_ns"] += int((time.perf_counter() - t0) * 1e9)
+        return self._masks
 
     def _log_prefill(self, seq: Sequence, done: bool) -> None:
         """A long prefill's progress in the log: every ``PREFILL_LOG_S`` seconds, and when it ends."""
@@ -338,14 +395,32 @@ class LLMEngine:
 
     # -- overlapped decode ------------------------------------------------------------
     def _overlappable(self, batch: ScheduledBatch) -> bool:
-        return (self.overlap and batch.is_decode and all(plain_greedy(s.params) for s in batch.seqs)
-                and self.runner.launchable(batch.seqs))
+        # greedy rows under a grammar too, on a GPU: their masks are applied after the graph (``_pick``)
+        masked = self.device.type == "cuda"
+        return (self.overlap and batch.is_decode and self.runner.launchable(batch.seqs)
+                and all(plain_greedy(s.params) or (masked and argmax_only(s.params)) for s in batch.seqs))
+
+    def _pick(self, pending) -> None:
+        """Grammar rows of a launched decode step: fill their masks on the host while the device
+        computes the step, then queue the masked greedy pick behind it (the next step, queued
+        later, reads the picked tokens). Rows that finished, or have forced tokens still to feed
+        (their pick is dropped), get none."""
+        states = [s.sampler_state if not s.is_finished and s.num_tokens == s.num_computed else None
+                  for s in pending.seqs]
+        if all(st is None or st.grammar is None for st in states):
+            return
+        live = [st if st is not None else _NO_GRAMMAR for st in states]
+        masks = self._grammar_masks(live)
+        rows = [i for i, st in enumerate(live) if st.grammar is not None]
+        self.runner.pick_masked(pending, rows, masks[rows] if rows != list(range(len(rows))) else masks[:len(rows)])
 
     def _collect(self) -> list[RequestOutput]:
         """Queue the next step of the in-flight rows when the scheduler would pick exactly them
         again, then read and accept the in-flight step's tokens."""
         cur, self._inflight = self._inflight, None
-        if self.overlap and self.scheduler.can_continue(cur.seqs) and self.runner.launchable(cur.seqs):
+        # (a row with tokens a grammar forced after its last one feeds them as a chunk: no next step)
+        if (self.overlap and all(s.num_tokens <= s.num_computed for s in cur.seqs)
+                and self.scheduler.can_continue(cur.seqs) and self.runner.launchable(cur.seqs)):
             self._inflight = self.runner.launch(cur.seqs, cur)
             self.stats["overlapped_steps"] += 1
         tokens, ok = cur.tokens()
@@ -353,33 +428,73 @@ class LLMEngine:
         for seq, tok, good in zip(cur.seqs, tokens, ok):
             if seq.is_finished:          # aborted, or stopped, while this step was queued
                 continue
+            if seq.num_tokens > seq.num_computed:    # a grammar forced tokens after its last one:
+                continue                             # they come next, not this step's pick
             if not good:   # greedy with nothing applied: the logits are as the model computed them
                 raise self._model_fault(f"the model computed NaN or -inf logits (request {seq.seq_id})")
             self.scheduler.register_full_blocks(seq)
             outs.append(self._accept(seq, SampleResult(tok)))
+        if self._inflight is not None:
+            self._pick(self._inflight)
         return outs
 
     def _accept(self, seq: Sequence, res) -> RequestOutput:
         p = seq.params
         tok = res.token_id
-        seq.output_ids.append(tok)
-        seq.sampler_state.append(tok)
         lp = [(res.logprob, res.top_logprobs)] if p.logprobs is not None else None
-        text, reason = "", None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_ids):
-            reason = "stop"
-        else:
-            text = seq.detokenizer.push(tok)
-            if seq.detokenizer.stopped:
-                reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
+        text, reason = self._append(seq, tok)
+        tokens = [tok]
+        grammar = seq.sampler_state.grammar
+        if grammar is not None and reason is None:
+            text, reason = self._advance_grammar(seq, grammar, tok, text, tokens)
         if reason:
             text += seq.detokenizer.flush()
             self._finish(seq, reason)
-        return RequestOutput(seq.seq_id, [tok], text, reason is not None, reason, lp,
+        return RequestOutput(seq.seq_id, tokens, text, reason is not None, reason, lp,
                              len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens,
-                             seq.disk_read_tokens, seq.cache_write_tokens)
+                             seq.disk_read_tokens, seq.cache_write_tokens,
+                             grammar.forced_total if grammar is not None else 0)
+
+    def _append(self, seq: Sequence, tok: int) -> tuple[str, str | None]:
+        """One new output token: (its text, finish reason or None)."""
+        p = seq.params
+        seq.output_ids.append(tok)
+        seq.sampler_state.append(tok)
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_ids):
+            return "", "stop"
+        text = seq.detokenizer.push(tok)
+        if seq.detokenizer.stopped:
+            return text, "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return text, "length"
+        return text, None
+
+    def _advance_grammar(self, seq: Sequence, grammar, tok: int, text: str, tokens: list[int]
+                         ) -> tuple[str, str | None]:
+        """Move the grammar over ``tok``; stop when it is complete; else append what it forces."""
+        if not grammar.accept(tok):
+            log.error("request %d: token %d is outside its grammar (%s); ending it", seq.seq_id, tok,
+                      grammar.error() or "not allowed")
+            return text, "error"
+        if grammar.is_stopped():
+            return text, "stop"
+        if not seq.params.jump_forward or seq.params.logprobs is not None:
+            return text, None
+        for forced in grammar.forced():
+            if not grammar.accept(forced):
+                log.error("request %d: forced token %d refused by its grammar (%s)", seq.seq_id, forced,
+                          grammar.error())
+                return text, "error"
+            grammar.forced_total += 1
+            self.stats["forced_tokens"] += 1
+            piece, reason = self._append(seq, forced)
+            text += piece
+            tokens.append(forced)
+            if reason is None and grammar.is_stopped():
+                reason = "stop"
+            if reason:
+                return text, reason
+        return text, None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if reason != "abort":    # the whole conversation so far, for the next turn after a restart

@@ -34,6 +34,7 @@ speed).
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lodestar.engine.grammar import apply_masks
 from lodestar.engine.kv_cache import BlockPool, allocate_kv_tensors
 from lodestar.engine.sequence import Sequence
 from lodestar.kernels.triton_attention import grid_splits, num_partitions
@@ -157,6 +159,15 @@ def greedy_into(logits: torch.Tensor, out: torch.Tensor, host: tuple[torch.Tenso
     out[1, :r].copy_(torch.gt(values, -math.inf))
 
 
+STEPWISE_MAX = 64     # longest run of output tokens fed at once that attends row by row (CPU)
+
+
+def _decoded_run(seq: Sequence, n: int) -> bool:
+    """Several new tokens that all lie in ``seq``'s output (a grammar's forced run): on the CPU
+    they attend one row at a time, so they give the bits of decoding them one per step."""
+    return 1 < n <= STEPWISE_MAX and seq.num_computed >= seq.prompt_len
+
+
 class ModelRunner:
     """Owns the model and its KV tensors; turns (sequence, new-token count) rows into logits."""
 
@@ -217,7 +228,8 @@ class ModelRunner:
             ids.extend(s.token_slice(s.num_computed, s.num_computed + n))
         batch = AttentionBatch.build([s.block_table for s in seqs],
                                      [s.num_computed + n for s, n in zip(seqs, num_new)],
-                                     num_new, self.pool.block_size)
+                                     num_new, self.pool.block_size,
+                                     stepwise=[_decoded_run(s, n) for s, n in zip(seqs, num_new)])
         hidden = self.model(torch.tensor(ids, dtype=torch.int64), batch.positions(), batch)
         return self._advance(seqs, num_new, batch, hidden, want_logits)
 
@@ -226,16 +238,23 @@ class ModelRunner:
                     ) -> torch.Tensor | None:
         for s, n in zip(seqs, num_new):
             self.ensure_blocks(s, s.num_computed + n)
-        decode = all(n == 1 for n in num_new)
-        if (decode and self.cuda_graphs and len(seqs) <= GRAPH_BATCH_SIZES[-1]
+        # decode rows, and runs of decoded tokens (a grammar's forced run) as one row per token:
+        # each row attends up to its own position, so the graph gives the bits of one step each
+        rows = sum(num_new)
+        if (self.cuda_graphs and rows <= GRAPH_BATCH_SIZES[-1]
+                and all(n == 1 or _decoded_run(s, n) for s, n in zip(seqs, num_new))
                 and max(len(s.block_table) for s in seqs) <= self.max_blocks):
-            logits = self._replay(seqs)
-            for s in seqs:
-                s.num_computed += 1
-            if want_logits is not None and not all(want_logits):
-                keep = [i for i, w in enumerate(want_logits) if w]
-                return logits[keep] if keep else None
-            return logits
+            flat = [s for s, n in zip(seqs, num_new) for _ in range(n)]
+            positions = None if rows == len(seqs) else [s.num_computed + j for s, n in zip(seqs, num_new)
+                                                        for j in range(n)]
+            logits = self._replay(flat, positions)
+            for s, n in zip(seqs, num_new):
+                s.num_computed += n
+            last = list(itertools.accumulate(num_new))
+            keep = [last[i] - 1 for i in range(len(seqs)) if want_logits is None or want_logits[i]]
+            if not keep:
+                return None
+            return logits if keep == list(range(len(logits))) else logits[keep]
         if self._prefill_graphable(seqs, num_new, want_logits):
             return self._prefill_replay(seqs[0], num_new[0])
         return self._eager(seqs, num_new, want_logits)
@@ -437,10 +456,13 @@ class ModelRunner:
         size = next(b for b in GRAPH_BATCH_SIZES if b >= n)
         return self.graphs.get(size) or self._capture(size)
 
-    def _stage(self, g: DecodeGraph, seqs: list[Sequence], host_ids: bool) -> StepStage:
+    def _stage(self, g: DecodeGraph, seqs: list[Sequence], host_ids: bool,
+               row_positions: list[int] | None = None) -> StepStage:
         """Copy the rows' positions, KV slots, lengths and block tables (and their token ids
         if ``host_ids``; else the ids the previous replay left on the device) into ``g``'s
-        stage, which the graph reads itself when it is replayed next. Returns the stage."""
+        stage, which the graph reads itself when it is replayed next. Returns the stage.
+        Row r feeds the token at ``row_positions[r]`` of ``seqs[r]`` (default: its ``num_computed``;
+        a sequence may fill several rows, one per token)."""
         n, bs = len(seqs), self.pool.block_size
         st = g.stages[g.stage]
         g.stage ^= 1
@@ -449,7 +471,7 @@ class ModelRunner:
         lens, tables = st.inputs.lens.numpy(), st.inputs.tables.numpy()
         width = 1
         for r, s in enumerate(seqs):
-            pos = s.num_computed
+            pos = s.num_computed if row_positions is None else row_positions[r]
             bt = s.block_table
             if host_ids:
                 ids[r] = s.token_slice(pos, pos + 1)[0]
@@ -467,9 +489,9 @@ class ModelRunner:
         st.header[1] = width
         return st
 
-    def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _replay(self, seqs: list[Sequence], positions: list[int] | None = None) -> torch.Tensor:
         g = self._graph_for(len(seqs))
-        st = self._stage(g, seqs, host_ids=True)
+        st = self._stage(g, seqs, host_ids=True, row_positions=positions)
         g.graph.replay()
         st.copied.record()
         self.graph_replays += 1
@@ -512,6 +534,20 @@ class ModelRunner:
         for s in seqs:
             s.num_computed += 1
         return PendingDecode(seqs, out, done, g)
+
+    @torch.inference_mode()
+    def pick_masked(self, pending: PendingDecode, rows: list[int], masks: torch.Tensor) -> None:
+        """Pick again, under grammar bitmasks, the greedy tokens of the listed rows of a launched
+        decode step (CUDA): the masks are applied to the graph's logits in place and the greedy
+        kernel rewrites the step's token-id input (which the next step reads) and its host
+        result slot. Queued behind the step; ``pending.tokens()`` waits for it."""
+        g = pending.graph
+        if g is None:
+            raise ValueError("pick_masked needs a step launched from a CUDA graph")
+        logits = g.logits[:len(pending.seqs)]
+        apply_masks(logits, rows, masks)
+        greedy_into(logits, g.res, host=(g.outs_host, g.ctl))
+        pending.done.record()
 
     def _launch_cpu(self, seqs: list[Sequence], prev: PendingDecode | None) -> PendingDecode:
         if prev is not None:

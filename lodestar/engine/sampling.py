@@ -3,7 +3,7 @@
 One `Sampler.sample` call turns a [B, V] logits tensor into B tokens. Each row is
 processed in this order (llama.cpp / vLLM):
 
-    logit bias -> repetition, frequency and presence penalties
+    grammar mask -> logit bias -> repetition, frequency and presence penalties
     -> argmax for greedy rows
     -> temperature -> top-k -> top-p -> min-p -> one random draw
 
@@ -12,8 +12,8 @@ penalties, and a CPU `torch.Generator` seeded from `SamplingParams.seed`. A samp
 row takes exactly one uniform number from its own generator, so a seed gives the same
 tokens whatever else is in the batch, at any row position and on any device.
 
-Logprobs are taken from the log_softmax of the raw model logits, before bias,
-penalties and temperature: they describe the model, not the sampler settings, which
+Logprobs are taken from the log_softmax of the raw model logits, before the grammar
+mask, bias, penalties and temperature: they describe the model, not the sampler settings, which
 makes them comparable with the reference goldens and across requests (vLLM's default
 `raw_logprobs` behaves the same way).
 """
@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 import torch
 
 from lodestar.engine.faults import NonFiniteLogitsError
+from lodestar.engine.grammar import GrammarSpec, apply_masks
 
 MAX_LOGPROBS = 20
 # Stop strings are matched in time linear in the output, but each one is held back
@@ -57,6 +58,10 @@ class SamplingParams:
     logit -= frequency_penalty * count + presence_penalty * (count > 0).
     logit_bias is added to the logits first; -inf bans a token.
     logprobs: None = none, 0 = the chosen token's logprob, n = also the top n.
+    grammar: constrain the output to a JSON schema, regex, grammar or choice list
+    (``engine.grammar.GrammarSpec``); end-of-sequence is allowed only where it is complete.
+    jump_forward: append the tokens a grammar forces without a forward pass each (off
+    while logprobs are requested: forced tokens have none).
     """
 
     temperature: float = 1.0
@@ -74,6 +79,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    grammar: GrammarSpec | None = None
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -124,6 +131,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of token ids (ints >= 0)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise bad("grammar", "must be an engine.grammar.GrammarSpec or None")
 
     @property
     def is_greedy(self) -> bool:
@@ -154,6 +163,7 @@ class SamplerState:
         self.generator.manual_seed(self.seed % 2**64)
         self.prompt_token_ids = torch.tensor(sorted(set(prompt_token_ids)), dtype=torch.long)
         self.output_counts: dict[int, int] = {}
+        self.grammar = None            # engine.grammar.GrammarMatcher of a constrained request
 
     def append(self, token_id: int) -> None:
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
@@ -166,24 +176,35 @@ class SamplerState:
 class Sampler:
     """Samples one token per row of a [B, V] logits tensor."""
 
-    def process(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-        """float32 copy of `logits` with logit bias and penalties applied, per row."""
+    def process(self, logits: torch.Tensor, states: Sequence[SamplerState],
+                masks: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 copy of `logits` with the grammar masks, logit bias and penalties applied, per row.
+
+        ``masks``: int32 [B, words] bitmasks on the CPU; row i applies where states[i] has a grammar."""
         _check_batch(logits, states)
         out = logits.to(torch.float32, copy=True)
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if rows:
+            apply_masks(out, rows, _mask_rows(masks, rows))
         _apply_logit_bias(out, states)
         _apply_repetition_penalty(out, states)
         _apply_frequency_presence(out, states)
         return out
 
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplerState]) -> list[SampleResult]:
-        """One token per row; row i follows states[i]. Advances the generators of sampled rows.
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplerState],
+               masks: torch.Tensor | None = None) -> list[SampleResult]:
+        """One token per row; row i follows states[i] (and masks[i] where it has a grammar).
+        Advances the generators of sampled rows.
 
         Raises ``NonFiniteLogitsError`` when a row of ``logits`` itself (before bias and
         penalties) has a NaN or infinite maximum: a fault of the model, not of the request.
         """
-        if all(plain_greedy(s.params) for s in states):
+        if all(argmax_only(s.params) for s in states):
+            rows = [i for i, s in enumerate(states) if s.grammar is not None]
+            if rows:          # greedy under a grammar: the best allowed token (the logits are
+                apply_masks(logits, rows, _mask_rows(masks, rows))   # this step's scratch)
             return _plain_argmax(logits, states)
-        processed = self.process(logits, states)
+        processed = self.process(logits, states, masks)
         # One reduction, which every row needs anyway: a row whose best logit is not a finite
         # number is examined further (the model's fault, or bans over the whole vocabulary).
         best = processed.max(dim=-1).values
@@ -193,8 +214,9 @@ class Sampler:
             if bool(dead.any()):
                 rows = dead.nonzero().flatten().tolist()
                 raise ValueError(
-                    f"no token can be sampled in batch rows {rows}: logit_bias bans every token the model "
-                    "left possible; check logit_bias for bans that cover the whole vocabulary")
+                    f"no token can be sampled in batch rows {rows}: logit_bias (with the grammar, if any) bans "
+                    "every token the model left possible; check logit_bias for bans that cover the whole "
+                    "vocabulary")
 
         batch = len(states)
         token_ids = torch.empty(batch, dtype=torch.long, device=logits.device)
@@ -230,8 +252,21 @@ class Sampler:
 
 def plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing to apply to the logits and no logprobs to report."""
+    return p.grammar is None and argmax_only(p)
+
+
+def argmax_only(p: SamplingParams) -> bool:
+    """Greedy with no logprobs, bias or penalties: the best token, of those a grammar allows."""
     return (p.is_greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
+def _mask_rows(masks: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
+    if masks is None:
+        raise ValueError(f"batch rows {rows} have a grammar but no token mask was given")
+    if rows == list(range(len(rows))):
+        return masks[:len(rows)]         # a view: stays pinned, so the copy to a GPU is asynchronous
+    return masks[rows]
 
 
 def _plain_argmax(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[SampleResult]:

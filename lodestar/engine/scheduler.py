@@ -1,7 +1,7 @@
 """Continuous batching: which sequences run in a step, and how many tokens each feeds.
 
 ``schedule`` takes the running sequences first, oldest request first, one decode token
-each; then it admits waiting prompts in arrival order while the token budget and
+each (or the run of tokens a grammar forced, fed as one chunk); then it admits waiting prompts in arrival order while the token budget and
 ``max_num_seqs`` allow. A prompt longer than what is left of the budget is fed in chunks
 over several steps (nothing is admitted behind it until it completes). A row whose next
 tokens need KV blocks when none is free preempts the newest request that holds blocks
@@ -99,13 +99,15 @@ class Scheduler:
                 break
             if seq not in self.running:                             # preempted by an older one
                 continue
-            if not self._reserve(seq, seq.num_computed + 1, scheduled):
+            # one token, or more when a grammar forced some after the last sampled one
+            n = min(max(seq.num_tokens - seq.num_computed, 1), budget)
+            if not self._reserve(seq, seq.num_computed + n, scheduled):
                 self._preempt(seq)
                 continue
             batch.seqs.append(seq)
-            batch.num_new.append(1)
+            batch.num_new.append(n)
             scheduled.add(seq.seq_id)
-            budget -= 1
+            budget -= n
         while budget > 0 and self._can_admit():
             seq = self.waiting[0]
             if seq.num_computed == 0 and not seq.block_table:

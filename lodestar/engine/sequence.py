@@ -33,6 +33,10 @@ class Sequence:
     prefill_logged: float = 0.0            # ... and of its last progress line (0: none yet)
 
     @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

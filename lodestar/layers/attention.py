@@ -51,10 +51,14 @@ class AttentionBatch:
     query_lens_list: list[int]
     _cache: dict = field(default_factory=dict, repr=False)
     gpu: GpuAttentionMeta | None = None
+    # CPU: sequences whose new tokens attend one row at a time, each as the decode step of that
+    # token would (the same SDPA call), so feeding several decoded tokens at once (tokens a
+    # grammar forced, speculative drafts) gives the bits of feeding them one step each
+    stepwise: list[bool] | None = None
 
     @classmethod
     def build(cls, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
-              block_size: int) -> "AttentionBatch":
+              block_size: int, stepwise: list[bool] | None = None) -> "AttentionBatch":
         """Build from per-sequence block tables, context lengths and new-token counts."""
         width = max(len(t) for t in block_tables)
         tables = torch.zeros(len(block_tables), width, dtype=torch.int64)
@@ -68,7 +72,8 @@ class AttentionBatch:
         seq_idx = torch.repeat_interleave(torch.arange(len(seq_lens)), qlens)
         pos = _positions(lens, qlens, starts)
         slots = tables[seq_idx, pos // block_size] * block_size + pos % block_size
-        return cls(slots, tables, lens, starts, block_size, list(seq_lens), list(query_lens))
+        return cls(slots, tables, lens, starts, block_size, list(seq_lens), list(query_lens),
+                   stepwise=stepwise if stepwise and any(stepwise) else None)
 
     @property
     def num_seqs(self) -> int:
@@ -136,28 +141,35 @@ class AttentionBatch:
         key = ("seq_plans", sliding_window)
         if key in self._cache:
             return self._cache[key]
-        bs, plans = self.block_size, []
+        plans = []
         starts = self.query_start_loc.tolist()
         for i, (lk, lq) in enumerate(zip(self.seq_lens_list, self.query_lens_list)):
-            nb = -(-lk // bs)
-            table = self.block_tables[i, :nb]
-            if nb == 1 or bool((table[1:] - table[:-1] == 1).all()):
-                start = int(table[0]) * bs
-                context = (start, start + lk)
+            if self.stepwise is not None and self.stepwise[i]:
+                plans += [self._seq_plan(i, starts[i] + r, lk - lq + r + 1, 1, sliding_window) for r in range(lq)]
             else:
-                context = table.clone()
-            mask = None
-            if lq > 1 or (sliding_window is not None and lk > sliding_window):
-                qp = torch.arange(lk - lq, lk)[:, None]
-                kp = torch.arange(lk)[None, :]
-                mask = kp <= qp
-                if sliding_window is not None:
-                    mask = mask & (qp - kp < sliding_window)
-                mask = mask[None, None]
-            plans.append({"rows": (starts[i], starts[i + 1]), "context": context, "mask": mask, "len": lk,
-                          "block_size": bs})
+                plans.append(self._seq_plan(i, starts[i], lk, lq, sliding_window))
         self._cache[key] = plans
         return plans
+
+    def _seq_plan(self, i: int, first: int, lk: int, lq: int, sliding_window: int | None) -> dict:
+        """Plan of ``lq`` query rows from ``first`` of sequence ``i`` over its first ``lk`` slots."""
+        bs = self.block_size
+        nb = -(-lk // bs)
+        table = self.block_tables[i, :nb]
+        if nb == 1 or bool((table[1:] - table[:-1] == 1).all()):
+            start = int(table[0]) * bs
+            context = (start, start + lk)
+        else:
+            context = table.clone()
+        mask = None
+        if lq > 1 or (sliding_window is not None and lk > sliding_window):
+            qp = torch.arange(lk - lq, lk)[:, None]
+            kp = torch.arange(lk)[None, :]
+            mask = kp <= qp
+            if sliding_window is not None:
+                mask = mask & (qp - kp < sliding_window)
+            mask = mask[None, None]
+        return {"rows": (first, first + lq), "context": context, "mask": mask, "len": lk, "block_size": bs}
 
 
 def _positions(seq_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@
 Layout: one module per API translates its wire format to the neutral chat shape
 (``chat_prompt``) and back; ``generation`` runs one engine request and yields neutral
 deltas (reasoning, content, tool-call start/arguments/end, keep-alive); ``tool_parsers``
-and ``reasoning`` read the model's own markup; ``sse``, ``errors``, ``auth`` and
-``metrics`` are shared. No module here touches tensors.
+and ``reasoning`` read the model's own markup; ``structured`` turns output formats and
+forced tool calls into grammars; ``sse``, ``errors``, ``auth`` and ``metrics`` are shared. No module here touches tensors.
 
 Behaviour worth knowing:
 
@@ -20,9 +20,13 @@ Behaviour worth knowing:
 - Tools reach the chat template as ``tools=``; a template that ignores them (SmolLM2) gets a
   Hermes tools block in the system message instead. Hermes ``<tool_call>``, Llama-3 JSON /
   ``<|python_tag|>`` and Mistral ``[TOOL_CALLS]`` output becomes tool calls of the declared
-  tools; anything malformed stays plain content. ``tool_choice`` "required" and
-  ``parallel_tool_calls`` are not enforced (no constrained decoding yet), nor are JSON
-  ``response_format`` / ``text.format`` / ``output_config.format`` (refused with 400).
+  tools; anything malformed stays plain content.
+- Structured output (``structured``): ``response_format`` and vLLM's ``guided_json`` /
+  ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (chat, completions), ``text.format``
+  (responses) and ``output_config.format`` (messages) become an engine grammar; so do forced
+  tool calls (``tool_choice`` "required" or named, Anthropic any/tool; ``parallel_tool_calls``
+  false = one call) and ``strict`` tools under auto, written in the model's own tool-call
+  syntax. Grammars compile before generation starts: a bad one is a 400 naming the field.
 - ``<think>`` spans become ``reasoning_content`` / ``thinking`` blocks / reasoning items;
   ``reasoning_effort``, ``reasoning.effort`` and Anthropic ``thinking`` set the template's
   ``enable_thinking``. ``thinking.budget_tokens`` is not enforced.
@@ -32,8 +36,8 @@ Behaviour worth knowing:
   is 503 with ``Retry-After``; streams send ``: keep-alive`` comments while no token
   arrives; a client that disconnects aborts its request and frees its KV blocks.
 - The server stores nothing: the Responses API refuses ``previous_response_id``.
-- vLLM-style extras: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
-  ``chat_template_kwargs`` on the OpenAI chat and completions routes.
+- vLLM-style extras: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+  ``chat_template_kwargs`` and the ``guided_*`` fields on the OpenAI chat and completions routes.
 """
 from lodestar.serve.app import build_app
 from lodestar.serve.state import ServeConfig

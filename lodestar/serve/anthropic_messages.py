@@ -27,6 +27,7 @@ from lodestar.serve.openai_chat import select_tools
 from lodestar.serve.protocol import AnthropicMessage, MessagesCountRequest, MessagesRequest
 from lodestar.serve.sse import SSEResponse, sse_event
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
+from lodestar.serve.structured import OutputGrammar, compile_grammar, output_config_spec, output_grammar
 
 router = APIRouter(tags=["Anthropic"])
 
@@ -132,9 +133,10 @@ def messages_of(body: MessagesCountRequest, warnings: RequestWarnings) -> list[d
 
 
 def tools_of(body: MessagesCountRequest, warnings: RequestWarnings
-             ) -> tuple[list[dict] | None, frozenset[str] | None]:
+             ) -> tuple[list[dict] | None, frozenset[str] | None, object]:
+    """(tools for the prompt, names to parse, tool_choice in select_tools' terms)."""
     if not body.tools:
-        return None, None
+        return None, None, None
     tools, dropped = [], set()
     for i, t in enumerate(body.tools):
         if t.type not in (None, "custom"):
@@ -157,7 +159,7 @@ def tools_of(body: MessagesCountRequest, warnings: RequestWarnings
         mapped = {"auto": "auto", "any": "required", "none": "none"}[kind]
     else:
         raise APIError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}", param="tool_choice")
-    return select_tools(tools, mapped)
+    return (*select_tools(tools, mapped), mapped)
 
 
 def _thinking(body: MessagesCountRequest) -> bool | None:
@@ -173,12 +175,17 @@ def _thinking(body: MessagesCountRequest) -> bool | None:
 
 
 def render(state: ServeState, body: MessagesCountRequest, warnings: RequestWarnings
-           ) -> tuple[RenderedPrompt, frozenset[str] | None]:
+           ) -> tuple[RenderedPrompt, frozenset[str] | None, OutputGrammar | None]:
+    """(the prompt, tool names to parse, the grammar its output follows)."""
     state.check_model(body.model)
-    tools, names = tools_of(body, warnings)
+    content = output_config_spec(getattr(body, "output_config", None))
+    tools, names, choice = tools_of(body, warnings)
     prompt = render_chat(state.tokenizer, messages_of(body, warnings), tools, enable_thinking=_thinking(body),
                          continue_final=True, check_text=lambda text: state.check_prompt_text(text, "messages"))
-    return prompt, names
+    single = isinstance(body.tool_choice, dict) and body.tool_choice.get("disable_parallel_tool_use") is True
+    grammar = output_grammar(state.tokenizer, content, tools, tool_choice=choice, parallel=not single,
+                             in_reasoning=prompt.in_reasoning, warnings=warnings)
+    return prompt, names, grammar
 
 
 # -- engine results -> wire ----------------------------------------------------------------
@@ -288,11 +295,9 @@ async def _stream(path: str, model: str, gen: Generation, user_stops: list[str])
 @router.post("/v1/messages", summary="Create a message (Anthropic)")
 async def create_message(body: MessagesRequest, request: Request):
     state = get_state(request)
-    if (body.output_config or {}).get("format") is not None:
-        raise APIError(400, "output_config.format (structured output) is not supported yet (no constrained "
-                            "decoding); ask for JSON in the prompt instead", param="output_config.format")
     warnings = RequestWarnings()
-    prompt, names = await run_in_threadpool(render, state, body, warnings)   # tokenizing can take seconds
+    prompt, names, grammar = await run_in_threadpool(render, state, body, warnings)   # tokenizing can take seconds
+    await compile_grammar(state, grammar)                                      # a 400 before any stream
     user_stops = list(body.stop_sequences or [])
     try:
         max_tokens = resolve_max_tokens(state, len(prompt.ids), body.max_tokens, warnings=warnings,
@@ -300,8 +305,10 @@ async def create_message(body: MessagesRequest, request: Request):
     except Exception as e:
         raise as_api_error(e, anthropic=True) from None
     params = build_params(ANTHROPIC_FIELDS, state.config.sampling_defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          max_tokens=max_tokens, stop=user_stops + prompt.stop or None)
-    spec = GenerationSpec(prompt.ids, params, names, prompt.in_reasoning)
+                          max_tokens=max_tokens, stop=user_stops + prompt.stop or None,
+                          grammar=grammar.spec if grammar else None)
+    spec = GenerationSpec(prompt.ids, params, names, grammar.in_reasoning if grammar else prompt.in_reasoning,
+                          grammar=grammar)
     if body.stream:
         gen = Generation(state, spec, stream=True, keepalive_s=state.config.keepalive_s)
         return SSEResponse(_stream(request.url.path, body.model, gen, user_stops), headers=warnings.headers())
@@ -318,5 +325,5 @@ async def create_message(body: MessagesRequest, request: Request):
 @router.post("/v1/messages/count_tokens", summary="Count the input tokens of a message (Anthropic)")
 async def count_tokens(body: MessagesCountRequest, request: Request):
     warnings = RequestWarnings()
-    prompt, _ = await run_in_threadpool(render, get_state(request), body, warnings)
+    prompt, _, _ = await run_in_threadpool(render, get_state(request), body, warnings)
     return JSONResponse({"input_tokens": len(prompt.ids)}, headers=warnings.headers())

@@ -23,6 +23,7 @@ from lodestar.serve import anthropic_messages, openai_chat, openai_completions, 
 from lodestar.serve.auth import APIKeyMiddleware
 from lodestar.serve.errors import APIError, as_api_error, error_response
 from lodestar.serve.generation import WARNING_HEADER
+from lodestar.serve.metrics import grammar_stats
 from lodestar.serve.state import ClientDisconnected, ServeConfig, ServeState, get_state
 
 PLACEHOLDER_PAGE = """<!doctype html>
@@ -242,7 +243,7 @@ def build_app(engine, config: ServeConfig | None = None) -> FastAPI:
     @app.get("/metrics", tags=["Server"], summary="Prometheus metrics", response_class=PlainTextResponse)
     async def metrics(request: Request):
         s = get_state(request)
-        return PlainTextResponse(s.metrics.render(s.engine.stats(), s.model_id),
+        return PlainTextResponse(s.metrics.render({**s.engine.stats(), **grammar_stats(s.engine)}, s.model_id),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     static = config.static_dir

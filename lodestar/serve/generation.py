@@ -19,6 +19,7 @@ from lodestar.engine.sampling import SamplingParams
 from lodestar.serve.errors import APIError, prompt_too_long_error, sampling_error
 from lodestar.serve.reasoning import ReasoningParser, split_reasoning
 from lodestar.serve.state import ServeState
+from lodestar.serve.structured import OutputGrammar, grammar_label
 from lodestar.serve.tool_parsers import ToolCall, ToolCallParser, parse_tool_calls
 
 log = logging.getLogger("lodestar.serve")
@@ -93,6 +94,7 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    forced_tokens: int = 0                # output tokens the grammar forced (jump-forward, no sampling)
 
 
 @dataclass
@@ -102,6 +104,7 @@ class GenerationSpec:
     tool_names: frozenset[str] | None = None   # parse tool calls of these tools
     in_reasoning: bool = False                 # the output starts inside a <think> span
     parse_reasoning: bool = True
+    grammar: OutputGrammar | None = None       # what params.grammar came from; compile it before generating
 
 
 def build_params(fields: dict[str, str], defaults: dict[str, Any] | None = None, **values: Any) -> SamplingParams:
@@ -245,7 +248,7 @@ class Generation:
                 decode = (res.completion_tokens - 1) / (t_end - t_first)
             self.state.metrics.record_generation(res.prompt_tokens, res.completion_tokens, res.cached_tokens,
                                                  res.finish_reason, None if t_first is None else t_first - t0,
-                                                 decode)
+                                                 decode, res.forced_tokens, grammar_label(spec.grammar))
 
     async def run(self) -> Result:
         async for _ in self.events():
@@ -258,6 +261,7 @@ class Generation:
         res.completion_tokens = out.completion_tokens or len(res.token_ids)
         res.prompt_tokens = out.prompt_tokens or res.prompt_tokens
         res.cached_tokens = max(res.cached_tokens, getattr(out, "cached_tokens", 0) or 0)
+        res.forced_tokens = max(res.forced_tokens, getattr(out, "forced_tokens", 0) or 0)   # cumulative
         text = out.text
         for tid in out.token_ids:                    # markup special tokens the detokenizer dropped
             piece = self.state.markup_ids.get(tid)

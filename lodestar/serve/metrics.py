@@ -53,6 +53,8 @@ class Metrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cached_tokens: int = 0
+    forced_tokens: int = 0
+    constrained: Counter = field(default_factory=Counter)       # grammar kind -> finished requests
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     decode_speed: Histogram = field(default_factory=lambda: Histogram(DECODE_BUCKETS))
 
@@ -60,8 +62,12 @@ class Metrics:
         self.requests[(route, str(status))] += 1
 
     def record_generation(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                          finish_reason: str, ttft_s: float | None, decode_tok_s: float | None) -> None:
+                          finish_reason: str, ttft_s: float | None, decode_tok_s: float | None,
+                          forced_tokens: int = 0, grammar_kind: str | None = None) -> None:
         self.prompt_tokens += prompt_tokens
+        self.forced_tokens += forced_tokens
+        if grammar_kind is not None:
+            self.constrained[grammar_kind] += 1
         self.generation_tokens += completion_tokens
         self.cached_tokens += cached_tokens
         self.finished[finish_reason] += 1
@@ -94,6 +100,18 @@ class Metrics:
         rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         metric("lodestar_prefix_cache_hit_rate", "gauge", "Cached prompt tokens / prompt tokens since start.",
                [f"lodestar_prefix_cache_hit_rate{{{m}}} {rate:.6f}"])
+        metric("lodestar_constrained_requests_total", "counter",
+               "Engine requests whose output followed a grammar, by kind (json_schema, regex, choice, grammar, "
+               "tool_call).",
+               [f'lodestar_constrained_requests_total{{{m},kind="{_escape(k)}"}} {n}'
+                for k, n in sorted(self.constrained.items())])
+        metric("lodestar_forced_tokens_total", "counter",
+               "Output tokens a grammar forced (appended by jump-forward without sampling).",
+               [f"lodestar_forced_tokens_total{{{m}}} {self.forced_tokens}"])
+        metric("lodestar_grammar_mask_seconds_total", "counter", "Time the engine spent filling grammar token masks.",
+               [f"lodestar_grammar_mask_seconds_total{{{m}}} {engine_stats.get('grammar_mask_ns', 0) / 1e9:.6f}"])
+        metric("lodestar_grammar_mask_rows_total", "counter", "Grammar token masks filled (one per constrained row "
+               "per step).", [f"lodestar_grammar_mask_rows_total{{{m}}} {engine_stats.get('grammar_mask_rows', 0)}"])
         for key, name, help_ in (("waiting", "lodestar_queue_depth", "Requests waiting to start."),
                                  ("running", "lodestar_running_sequences", "Sequences being decoded."),
                                  ("kv_blocks_used", "lodestar_kv_blocks_used", "KV cache blocks in use."),
@@ -104,3 +122,13 @@ class Metrics:
         metric("lodestar_decode_tokens_per_second", "histogram", "Per-request decode speed after the first token.",
                self.decode_speed.lines("lodestar_decode_tokens_per_second", m))
         return "\n".join(lines) + "\n"
+
+
+def grammar_stats(engine) -> dict:
+    """The engine's grammar-mask counters (an AsyncLLMEngine's LLMEngine keeps them in ``stats``).
+
+    Read from the event loop while the engine thread adds to them: two dict lookups, no iteration."""
+    stats = getattr(getattr(engine, "engine", None), "stats", None)
+    if not hasattr(stats, "get"):
+        return {}
+    return {key: stats.get(key, 0) for key in ("grammar_mask_ns", "grammar_mask_rows")}

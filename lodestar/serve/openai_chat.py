@@ -17,6 +17,7 @@ from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnin
 from lodestar.serve.protocol import ChatCompletionRequest, ContentPart, NamedToolChoice
 from lodestar.serve.sse import DONE, KEEPALIVE, SSEResponse, sse_data
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
+from lodestar.serve.structured import compile_grammar, openai_content_spec, output_grammar
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -82,7 +83,8 @@ def select_tools(tools: list[dict] | None, tool_choice, field: str = "tool_choic
                  ) -> tuple[list[dict] | None, frozenset[str] | None]:
     """(tools for the prompt, names to parse) in OpenAI function-tool shape; tool_choice "none" drops them.
 
-    A named choice keeps only that tool; "required" is best effort (no constrained decoding).
+    A named choice keeps only that tool; "required" and a named choice are enforced by a grammar
+    (``structured.output_grammar``).
     """
     if not tools or tool_choice == "none":
         return None, None
@@ -111,14 +113,14 @@ def prepare(state: ServeState, body: ChatCompletionRequest, warnings: RequestWar
     """Validate and render a chat request into one engine spec per choice."""
     state.check_model(body.model)
     state.check_rows(body.n, "n")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, f"response_format {body.response_format.type!r} is not supported yet (no constrained "
-                            "decoding); ask for JSON in the prompt instead", param="response_format")
+    content = openai_content_spec(body)
     tools, names = select_tools(chat_tools(body, warnings), body.tool_choice)
     prompt = render_chat(state.tokenizer, chat_messages(body), tools,
                          enable_thinking=thinking_flag(body.reasoning_effort, body.chat_template_kwargs),
                          template_kwargs=body.chat_template_kwargs,
                          check_text=lambda text: state.check_prompt_text(text, "messages"))
+    grammar = output_grammar(state.tokenizer, content, tools, tool_choice=body.tool_choice,
+                             parallel=body.parallel_tool_calls, in_reasoning=prompt.in_reasoning, warnings=warnings)
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
@@ -134,9 +136,10 @@ def prepare(state: ServeState, body: ChatCompletionRequest, warnings: RequestWar
         frequency_penalty=body.frequency_penalty,
         logit_bias=check_logit_bias(body.logit_bias, state.tokenizer.vocab_size), seed=body.seed,
         max_tokens=max_tokens, stop=stop + prompt.stop or None, ignore_eos=body.ignore_eos or None,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=grammar.spec if grammar else None)
+    in_reasoning = grammar.in_reasoning if grammar else prompt.in_reasoning
     specs = [GenerationSpec(prompt.ids, params if body.seed is None else replace(params, seed=body.seed + i),
-                            names, prompt.in_reasoning) for i in range(body.n)]
+                            names, in_reasoning, grammar=grammar) for i in range(body.n)]
     return specs
 
 
@@ -154,7 +157,8 @@ def usage(state: ServeState, results: list[Result]) -> dict:
                     if r.reasoning)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens if results else 0},
-            "completion_tokens_details": {"reasoning_tokens": reasoning}}
+            "completion_tokens_details": {"reasoning_tokens": reasoning,
+                                          "forced_tokens": sum(r.forced_tokens for r in results)}}
 
 
 def chat_response(state: ServeState, model: str, results: list[Result], want_logprobs: bool) -> dict:
@@ -225,6 +229,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     warnings = RequestWarnings()
     specs = await run_in_threadpool(prepare, state, body, warnings)   # tokenizing can take seconds
+    await compile_grammar(state, specs[0].grammar)                    # a bad schema is a 400 before any stream
     if body.stream:
         gens = [Generation(state, s, stream=True, keepalive_s=state.config.keepalive_s) for s in specs]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

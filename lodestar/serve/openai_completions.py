@@ -16,6 +16,7 @@ from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnin
 from lodestar.serve.protocol import CompletionRequest
 from lodestar.serve.sse import DONE, KEEPALIVE, SSEResponse, sse_data
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
+from lodestar.serve.structured import OutputGrammar, compile_grammar, openai_content_spec
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -66,7 +67,8 @@ def completion_usage(prompts: list[list[int]], results: list[Result], n: int) ->
     completion = sum(r.completion_tokens for r in results)
     cached = sum(r.cached_tokens for r in results[::n])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"forced_tokens": sum(r.forced_tokens for r in results)}}
 
 
 @router.post("/v1/completions", summary="Create a text completion (OpenAI)")
@@ -77,6 +79,9 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
+    content = openai_content_spec(body)
+    grammar = OutputGrammar(content, False) if content is not None else None
+    await compile_grammar(state, grammar)                                      # a 400 before any stream
     prompts = await run_in_threadpool(prompt_ids, state, body.prompt, body.n)   # tokenizing can take seconds
     n = body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -93,10 +98,11 @@ async def create_completion(body: CompletionRequest, request: Request):
                 top_k=max(body.top_k, 0) if body.top_k is not None else None, min_p=body.min_p,
                 repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logit_bias=bias, seed=body.seed, max_tokens=max_tokens,
-                stop=stop or None, ignore_eos=body.ignore_eos or None, logprobs=body.logprobs)
+                stop=stop or None, ignore_eos=body.ignore_eos or None, logprobs=body.logprobs,
+                grammar=content)
             for j in range(n):
                 p = params if body.seed is None else replace(params, seed=body.seed + j)
-                specs.append(GenerationSpec(ids, p, parse_reasoning=False))
+                specs.append(GenerationSpec(ids, p, parse_reasoning=False, grammar=grammar))
     except APIError:
         raise
     except Exception as e:

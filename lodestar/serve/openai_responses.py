@@ -25,6 +25,7 @@ from lodestar.serve.openai_chat import EFFORT_THINKING, logprob_entries, new_cal
 from lodestar.serve.protocol import ResponsesRequest
 from lodestar.serve.sse import SSEResponse, sse_event
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
+from lodestar.serve.structured import compile_grammar, output_grammar, text_format_spec
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -107,8 +108,10 @@ def _add_tool(out: ResponseTools, t: dict, where: str, warnings: RequestWarnings
         warnings.add(f"{where} ({name!r}) dropped: an earlier tool has the same name")
         return
     out.origins[prompt] = ToolOrigin(name, namespace, custom)
-    out.tools.append({"type": "function", "function": {"name": prompt, "description": description,
-                                                       "parameters": params or {}}})
+    function = {"name": prompt, "description": description, "parameters": params or {}}
+    if not custom and t.get("strict") is True:     # only an explicit true: constrain calls under auto too
+        function["strict"] = True
+    out.tools.append({"type": "function", "function": function})
 
 
 def response_tools(body: ResponsesRequest, warnings: RequestWarnings) -> ResponseTools:
@@ -235,7 +238,8 @@ def _usage(state: ServeState, r: Result) -> dict:
     reasoning = len(state.tokenizer.encode(r.reasoning, add_special_tokens=False)) if r.reasoning else 0
     return {"input_tokens": r.prompt_tokens,
             "input_tokens_details": {"cached_tokens": r.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "output_tokens": r.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning, "forced_tokens": r.forced_tokens},
             "total_tokens": r.prompt_tokens + r.completion_tokens}
 
 
@@ -293,7 +297,8 @@ class _Envelope:
                      "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
                      "store": False,
                      "temperature": body.temperature if body.temperature is not None else defaults.get("temperature", 1.0),
-                     "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
+                     "text": {"format": {"type": "text"}, **(body.text or {})},
+                     "tool_choice": body.tool_choice or "auto",
                      "tools": body.tools or [], "top_p": body.top_p if body.top_p is not None else defaults.get("top_p", 1.0),
                      "truncation": "disabled", "user": body.user, "metadata": body.metadata or {}}
 
@@ -449,10 +454,7 @@ def prepare(state: ServeState, body: ResponsesRequest, warnings: RequestWarnings
     if body.conversation:
         raise APIError(400, "conversation is not supported: this server stores no conversations; send the "
                             "whole conversation in input", param="conversation")
-    fmt = (body.text or {}).get("format") or {}
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        raise APIError(400, f"text.format {fmt.get('type')!r} is not supported yet (no constrained decoding)",
-                       param="text.format")
+    content = text_format_spec(body.text)
     tools = response_tools(body, warnings)
     allowed, choice = _tool_choice(body.tool_choice, tools, warnings)
     prompt_tools, names = select_tools(allowed, choice)
@@ -460,6 +462,9 @@ def prepare(state: ServeState, body: ResponsesRequest, warnings: RequestWarnings
     prompt = render_chat(state.tokenizer, input_messages(body, tools, warnings), prompt_tools,
                          enable_thinking=EFFORT_THINKING.get(effort) if effort else None,
                          check_text=lambda text: state.check_prompt_text(text, "input"))
+    grammar = output_grammar(state.tokenizer, content, prompt_tools, tool_choice=choice,
+                             parallel=body.parallel_tool_calls, in_reasoning=prompt.in_reasoning,
+                             warnings=warnings)
     try:
         max_tokens = resolve_max_tokens(state, len(prompt.ids), body.max_output_tokens, warnings=warnings,
                                         max_field="max_output_tokens", prompt_field="input")
@@ -467,8 +472,10 @@ def prepare(state: ServeState, body: ResponsesRequest, warnings: RequestWarnings
         raise as_api_error(e, "input") from None
     params = build_params({"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}, state.config.sampling_defaults,
                           temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
-                          stop=prompt.stop or None, logprobs=body.top_logprobs)
-    return GenerationSpec(prompt.ids, params, names, prompt.in_reasoning), tools
+                          stop=prompt.stop or None, logprobs=body.top_logprobs,
+                          grammar=grammar.spec if grammar else None)
+    in_reasoning = grammar.in_reasoning if grammar else prompt.in_reasoning
+    return GenerationSpec(prompt.ids, params, names, in_reasoning, grammar=grammar), tools
 
 
 async def _stream(state: ServeState, env: _Envelope, gen: Generation, want_logprobs: bool, tools: ResponseTools):
@@ -502,6 +509,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     state = get_state(request)
     warnings = RequestWarnings()
     spec, tools = await run_in_threadpool(prepare, state, body, warnings)   # tokenizing can take seconds
+    await compile_grammar(state, spec.grammar)                              # a 400 before any stream
     env = _Envelope(body, body.model, state.config.sampling_defaults)
     want_logprobs = body.top_logprobs is not None
     if body.stream:

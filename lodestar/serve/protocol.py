@@ -79,6 +79,7 @@ class StreamOptions(_Open):
 
 class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = Field(None, description='{"name", "schema", "strict"} for type json_schema')
 
 
 class SamplingFields(_Open):
@@ -100,6 +101,12 @@ class SamplingFields(_Open):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's structured-output extras; at most one constraint per request
+    guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema, or its JSON text")
+    guided_regex: str | None = Field(None, description="a regex the whole output matches")
+    guided_choice: list[str] | None = Field(None, description="the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="a Lark (llguidance syntax) or GBNF grammar")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -112,7 +119,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Effort | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -116,10 +116,19 @@ class _JSONScanner:
         self.depth = depth
         self.in_string = False
         self.escaped = False
+        self.paused: int | None = None
 
-    def scan(self, s: str) -> int | None:
-        """Index just past the value's end in ``s``, or None when it goes on."""
+    def scan(self, s: str, stop: str | None = None) -> int | None:
+        """Index just past the value's end in ``s``, or None when it goes on.
+
+        With ``stop``, the scan also pauses where ``stop`` (or, at the end of ``s``, a prefix of
+        it) starts outside a JSON string; ``paused`` is then that index, and nothing from it on
+        was read. Inside a string the same text is just text."""
+        self.paused = None
         for i, c in enumerate(s):
+            if stop is not None and not self.in_string and c == stop[0] and stop.startswith(s[i:i + len(stop)]):
+                self.paused = i
+                return None
             if self.in_string:
                 if self.escaped:
                     self.escaped = False
@@ -382,18 +391,16 @@ class ToolCallParser:
         buf = self._buf
         if not buf:
             return False
-        limit, cut = len(buf), -1
-        if self._style == "hermes":             # a closing tag inside the arguments cuts them short
-            cut = buf.find(HERMES_END)
-            limit = cut if cut >= 0 else len(buf) - _partial_suffix(buf, HERMES_END)
-        end = self._scanner.scan(buf[:limit])
-        chunk = buf[:limit] if end is None else buf[:end]
+        # A closing tag inside the arguments (outside a JSON string) cuts them short.
+        end = self._scanner.scan(buf, HERMES_END if self._style == "hermes" else None)
+        paused = self._scanner.paused
+        chunk = buf[:end] if end is not None else buf[:paused] if paused is not None else buf
         self._buf = buf[len(chunk):]
         self._args(out, chunk)
         if end is None:
-            if cut < 0:
-                return False
-            self._buf = buf[cut + len(HERMES_END):]
+            if not self._buf.startswith(HERMES_END):
+                return False                    # the value goes on, or a closing tag may be arriving
+            self._buf = self._buf[len(HERMES_END):]
             return self._fail(out)
         self._call.complete = _valid_json(self._call.arguments)
         self._value_done(out)

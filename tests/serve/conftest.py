@@ -5,6 +5,8 @@ so the official SDKs talk to them exactly as they would to a deployed server.
 """
 from __future__ import annotations
 
+import anthropic
+import openai
 import pytest
 from serve_helpers import MODEL, Script, ScriptedEngine, serve_in_thread
 
@@ -57,3 +59,13 @@ def script(fake_engine):
     fake_engine.script = Script()
     yield fake_engine.script
     fake_engine.script = Script()
+
+
+@pytest.fixture(scope="module")
+def oai(real_url):
+    return openai.OpenAI(base_url=real_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ant(real_url):
+    return anthropic.Anthropic(base_url=real_url, api_key="unused", max_retries=0)

@@ -73,9 +73,18 @@ class ScriptedEngine:
         self.requests: list[tuple[list[int], object]] = []
         self.running = 0
         self.error = None
+        self.grammars = None
 
     def stats(self) -> dict:
         return {"waiting": 0, "running": self.running, "kv_blocks_used": self.running, "kv_blocks_total": 64}
+
+    async def compile_grammar(self, spec) -> None:
+        """Compiled as the real engine does (the double ignores the grammar when it replays its script)."""
+        from lodestar.engine.grammar import GrammarCompiler
+
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer)
+        await asyncio.to_thread(self.grammars.compile, spec)
 
     def prompt_text(self, i: int = -1) -> str:
         return self.tokenizer.decode(self.requests[i][0])

@@ -12,15 +12,6 @@ from serve_helpers import MODEL, wait_idle
 HI = [{"role": "user", "content": "Name three colors."}]
 
 
-@pytest.fixture(scope="module")
-def oai(real_url):
-    return openai.OpenAI(base_url=real_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def ant(real_url):
-    return anthropic.Anthropic(base_url=real_url, api_key="unused", max_retries=0)
-
 
 def test_models_listed_for_both_sdks(oai, ant):
     assert [m.id for m in oai.models.list()] == [MODEL, "default"]
@@ -87,7 +78,7 @@ def test_responses_stream_and_non_stream(oai):
     assert r.output_text and r.usage.output_tokens == 6
     events = list(oai.responses.create(model=MODEL, input="Name three colors.", instructions="Answer briefly.",
                                        max_output_tokens=6, temperature=0, stream=True))
-    types = [e.type for e in events]
+    types = [e.type for e in events if e.type != "keepalive"]   # a busy CPU may need keep-alives
     assert types[:5] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added", "response.output_text.delta"]
     assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
