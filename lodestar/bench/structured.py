@@ -184,7 +184,7 @@ def run_validity(loaded, a: argparse.Namespace) -> dict:
             prompts.append(ids)
             params.append(SamplingParams(temperature=temp, seed=seed, max_tokens=a.max_tokens,
                                          grammar=GrammarSpec("json_schema", s.schema)))
-    tool_spec = GrammarSpec("grammar", tool_call_grammar(TOOLS))
+    tool_spec = GrammarSpec("grammar", tool_call_grammar(TOOLS, tok))
     for t in TOOLS[:a.tools]:
         ids = chat_ids(tok, tool_prompt(TOOLS, t.prompt))
         for temp, seed in settings[:1 + a.tool_seeds]:

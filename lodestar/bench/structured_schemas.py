@@ -337,13 +337,12 @@ def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
     return {"anyOf": [_obj({"name": {"const": t.name}, "arguments": t.parameters}) for t in tools]}
 
 
-def tool_call_grammar(tools: list[Tool]) -> str:
-    """A Lark grammar (llguidance syntax) that forces one call in Hermes-style tags, as a server
-    does for ``tool_choice: required``; the JSON has the engine's fixed separators."""
-    from lodestar.engine.grammar import JSON_OPTIONS
-    schema = {"x-guidance": JSON_OPTIONS, **tool_call_schema(tools)}
-    return ('start: "<tool_call>\\n" call "\\n</tool_call>"\n'
-            f"call: %json {json.dumps(schema)}\n")
+def tool_call_grammar(tools: list[Tool], tokenizer) -> str:
+    """The grammar a server builds for ``tool_choice: "required"`` with ``parallel_tool_calls:
+    false`` (``serve.structured.tool_grammar``): one call of one of ``tools`` in the model's own
+    tool-call syntax (Hermes tags for the default model), arguments held to that tool's schema."""
+    from lodestar.serve.structured import tool_grammar
+    return tool_grammar(tokenizer, [t.openai() for t in tools], forced=True, parallel=False)
 
 
 def tool_prompt(tools: list[Tool], question: str) -> list[dict[str, str]]:

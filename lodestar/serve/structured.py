@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from lodestar.engine.grammar import JSON_OPTIONS, GrammarError, GrammarSpec
+from lodestar.engine.grammar import JSON_OPTIONS, GrammarError, GrammarSpec, bounded
 from lodestar.serve.chat_prompt import template_reads_tools
 from lodestar.serve.errors import APIError
 
@@ -214,7 +214,7 @@ def _calls_schema(schemas: list[tuple[str, Any]], key: str, array: bool = False,
     defs: dict = {}
     options = []
     for i, (name, params) in enumerate(schemas):
-        _hoist(params, f"tool{i}", defs)
+        _hoist(bounded(params), f"tool{i}", defs)
         options.append({"type": "object", "properties": {"name": {"const": name}, key: {"$ref": f"#/$defs/tool{i}"}},
                         "required": ["name", key], "additionalProperties": False})
     call = options[0] if len(options) == 1 else {"anyOf": options}
@@ -226,7 +226,7 @@ def _calls_schema(schemas: list[tuple[str, Any]], key: str, array: bool = False,
 
 
 def _args_schema(params: Any) -> str:
-    schema = dict(params) if isinstance(params, dict) else {"allOf": [params]}
+    schema = dict(bounded(params)) if isinstance(params, dict) else {"allOf": [params]}
     schema["x-guidance"] = JSON_FORMAT
     return "%json " + json.dumps(schema, ensure_ascii=False)
 

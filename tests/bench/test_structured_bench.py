@@ -91,7 +91,7 @@ def test_instances_are_accepted_by_the_compiled_grammars(smollm_path):
 
     for case in SCHEMAS + KEY_HEAVY:
         assert accepts(GrammarSpec("json_schema", case.schema), instance_text(case)), case.name
-    tools = GrammarSpec("grammar", tool_call_grammar(TOOLS))
+    tools = GrammarSpec("grammar", tool_call_grammar(TOOLS, tok))
     for t in TOOLS:
         call = json.dumps({"name": t.name, "arguments": t.example_arguments})
         assert accepts(tools, f"<tool_call>\n{call}\n</tool_call>"), t.name
