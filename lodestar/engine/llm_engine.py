@@ -36,11 +36,12 @@ import torch
 
 from lodestar.engine.detokenizer import IncrementalDetokenizer
 from lodestar.engine.faults import ModelFaultError, NonFiniteLogitsError, model_fault
-from lodestar.engine.grammar import GrammarCompiler, GrammarSpec
+from lodestar.engine.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
 from lodestar.engine.kv_cache import BlockPool
 from lodestar.engine.loader import LoadedModel
 from lodestar.engine.model_runner import ModelRunner, PendingDecode
-from lodestar.engine.sampling import SampleResult, Sampler, SamplerState, SamplingParams, argmax_only, plain_greedy
+from lodestar.engine.sampling import (SampleResult, Sampler, SamplerState, SamplingParams, argmax_only, mask_rows,
+                                     plain_greedy)
 from lodestar.engine.scheduler import ScheduledBatch, Scheduler
 from lodestar.engine.sequence import Sequence
 
@@ -110,13 +111,6 @@ class Completion:
 
 
 log = logging.getLogger("lodestar.engine")
-
-
-class _NoGrammar:
-    grammar = None
-
-
-_NO_GRAMMAR = _NoGrammar()
 
 PREFILL_LOG_S = 10.0    # a prompt still prefilling after this long is logged, and again at this interval
 
@@ -342,23 +336,22 @@ class LLMEngine:
             return []
         states = [s.sampler_state for s in seqs]
         try:
-            return self.sampler.sample(logits, states, self._grammar_masks(states))
+            return self.sampler.sample(logits, states, self._grammar_masks([s.grammar for s in states]))
         except NonFiniteLogitsError as e:
             raise self._model_fault(str(e)) from None
 
-    def _grammar_masks(self, states: list[SamplerState]) -> torch.Tensor | None:
-        """The next-token bitmasks of the rows with a grammar (None when no row has one).
+    def _grammar_masks(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor | None:
+        """Row i: the next-token bitmask of ``matchers[i]`` (None when no row has one).
 
         Called after the step was launched, so on a GPU the host fills them while the device
         computes the logits. A row whose grammar allows no token at all (a dead end the
         compiler could not see) is allowed end-of-sequence, so it ends instead of failing
         the batch."""
-        matchers = [s.grammar for s in states]
         if all(m is None for m in matchers):
             return None
         g = self.grammars
-        if self._masks is None or self._masks.shape[0] < len(states):
-            rows = max(len(states), self.config.max_num_seqs)
+        if self._masks is None or self._masks.shape[0] < len(matchers):
+            rows = max(len(matchers), self.config.max_num_seqs)
             self._masks = torch.zeros((rows, g.words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._masks_np = self._masks.numpy()
         t0 = time.perf_counter()
@@ -405,14 +398,12 @@ class LLMEngine:
         computes the step, then queue the masked greedy pick behind it (the next step, queued
         later, reads the picked tokens). Rows that finished, or have forced tokens still to feed
         (their pick is dropped), get none."""
-        states = [s.sampler_state if not s.is_finished and s.num_tokens == s.num_computed else None
-                  for s in pending.seqs]
-        if all(st is None or st.grammar is None for st in states):
-            return
-        live = [st if st is not None else _NO_GRAMMAR for st in states]
-        masks = self._grammar_masks(live)
-        rows = [i for i, st in enumerate(live) if st.grammar is not None]
-        self.runner.pick_masked(pending, rows, masks[rows] if rows != list(range(len(rows))) else masks[:len(rows)])
+        matchers = [s.sampler_state.grammar if not s.is_finished and s.num_tokens == s.num_computed else None
+                    for s in pending.seqs]
+        masks = self._grammar_masks(matchers)
+        if masks is not None:
+            rows = [i for i, m in enumerate(matchers) if m is not None]
+            self.runner.pick_masked(pending, rows, mask_rows(masks, rows))
 
     def _collect(self) -> list[RequestOutput]:
         """Queue the next step of the in-flight rows when the scheduler would pick exactly them

@@ -159,12 +159,13 @@ def greedy_into(logits: torch.Tensor, out: torch.Tensor, host: tuple[torch.Tenso
     out[1, :r].copy_(torch.gt(values, -math.inf))
 
 
-STEPWISE_MAX = 64     # longest run of output tokens fed at once that attends row by row (CPU)
+STEPWISE_MAX = 64     # longest run of output tokens fed at once as one decode row per token
 
 
 def _decoded_run(seq: Sequence, n: int) -> bool:
-    """Several new tokens that all lie in ``seq``'s output (a grammar's forced run): on the CPU
-    they attend one row at a time, so they give the bits of decoding them one per step."""
+    """Several new tokens that all lie in ``seq``'s output (a grammar's forced run). They give the
+    bits of decoding them one per step: on the CPU they attend one row at a time, on a GPU they
+    replay through the decode graph as one row per token."""
     return 1 < n <= STEPWISE_MAX and seq.num_computed >= seq.prompt_len
 
 

@@ -185,7 +185,7 @@ class Sampler:
         out = logits.to(torch.float32, copy=True)
         rows = [i for i, s in enumerate(states) if s.grammar is not None]
         if rows:
-            apply_masks(out, rows, _mask_rows(masks, rows))
+            apply_masks(out, rows, mask_rows(masks, rows))
         _apply_logit_bias(out, states)
         _apply_repetition_penalty(out, states)
         _apply_frequency_presence(out, states)
@@ -202,7 +202,7 @@ class Sampler:
         if all(argmax_only(s.params) for s in states):
             rows = [i for i, s in enumerate(states) if s.grammar is not None]
             if rows:          # greedy under a grammar: the best allowed token (the logits are
-                apply_masks(logits, rows, _mask_rows(masks, rows))   # this step's scratch)
+                apply_masks(logits, rows, mask_rows(masks, rows))   # this step's scratch)
             return _plain_argmax(logits, states)
         processed = self.process(logits, states, masks)
         # One reduction, which every row needs anyway: a row whose best logit is not a finite
@@ -261,7 +261,8 @@ def argmax_only(p: SamplingParams) -> bool:
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
-def _mask_rows(masks: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
+def mask_rows(masks: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
+    """The listed rows of a step's bitmask buffer (a pinned view when they are the first rows)."""
     if masks is None:
         raise ValueError(f"batch rows {rows} have a grammar but no token mask was given")
     if rows == list(range(len(rows))):

@@ -1,8 +1,8 @@
 """Continuous batching: which sequences run in a step, and how many tokens each feeds.
 
 ``schedule`` takes the running sequences first, oldest request first, one decode token
-each (or the run of tokens a grammar forced, fed as one chunk); then it admits waiting prompts in arrival order while the token budget and
-``max_num_seqs`` allow. A prompt longer than what is left of the budget is fed in chunks
+each (or the run of tokens a grammar forced, fed as one chunk); then it admits waiting
+prompts in arrival order while the token budget and ``max_num_seqs`` allow. A prompt longer than what is left of the budget is fed in chunks
 over several steps (nothing is admitted behind it until it completes). A row whose next
 tokens need KV blocks when none is free preempts the newest request that holds blocks
 (newer than itself and not yet in this step): that request frees its KV, waits again in

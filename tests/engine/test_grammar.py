@@ -5,6 +5,7 @@ import re
 import jsonschema
 import pytest
 import torch
+from fed_run import feed_run
 
 from lodestar.engine.grammar import GrammarError, GrammarSpec, apply_masks
 from lodestar.engine.llm_engine import EngineConfig, LLMEngine
@@ -220,27 +221,9 @@ def test_a_fed_run_of_output_tokens_gives_the_bits_of_one_step_each(engine):
     own decode step would, so the logits after the run are those of feeding it token by token:
     the same bits on the packed path (row-invariant linear kernels); on the fp32 path MKL's GEMM
     rounds a row by the number of rows, so the last bits may differ there (as in batching)."""
-    from lodestar.engine.sequence import Sequence
-    runner = engine.runner
     prompt = _chat(engine, "A person as JSON.")
     run = engine.tokenizer.encode('{"name": "Ada", "age": 36, "job": "', add_special_tokens=False)
-
-    def feed(step_by_step: bool) -> torch.Tensor:
-        s = Sequence(10_000, list(prompt), None)
-        runner.run([s], [len(prompt)])
-        s.output_ids.append(run[0])
-        if step_by_step:
-            for t in run[1:]:
-                runner.run([s], [1])
-                s.output_ids.append(t)
-            logits = runner.run([s], [1])
-        else:
-            s.output_ids += run[1:]
-            logits = runner.run([s], [len(run)])
-        engine.pool.free(s.block_table)
-        return logits
-
-    chunk, steps = feed(False), feed(True)
+    (chunk, _), (steps, _) = feed_run(engine, prompt, run, False), feed_run(engine, prompt, run, True)
     if engine.loaded.mode == "packed":
         assert torch.equal(chunk, steps)
     else:

@@ -124,27 +124,9 @@ def test_a_fed_run_replays_as_graph_rows_with_the_bits_of_one_step_each_on_cuda(
     """A run of decoded tokens (jump-forward's forced run) goes through the decode graph as one
     row per token, each attending up to its own position: the logits after it are those of
     feeding the run one decode step at a time."""
-    from lodestar.engine.sequence import Sequence
-    runner = engine.runner
+    from fed_run import feed_run
     prompt = _chat(engine, "A person as JSON.")
     run = engine.tokenizer.encode('{"name": "Ada", "age": 36, "job": "', add_special_tokens=False)
-
-    def feed(step_by_step: bool) -> torch.Tensor:
-        engine.pool.reset_cache()
-        s = Sequence(10_000, list(prompt), None)
-        runner.run([s], [len(prompt)])
-        s.output_ids.append(run[0])
-        if step_by_step:
-            for t in run[1:]:
-                runner.run([s], [1])
-                s.output_ids.append(t)
-            logits = runner.run([s], [1])
-        else:
-            s.output_ids += run[1:]
-            before = runner.graph_replays
-            logits = runner.run([s], [len(run)])
-            assert runner.graph_replays == before + 1
-        engine.pool.free(s.block_table)
-        return logits
-
-    assert torch.equal(feed(False), feed(True))
+    (chunk, replays), (steps, _) = feed_run(engine, prompt, run, False), feed_run(engine, prompt, run, True)
+    assert replays == 1
+    assert torch.equal(chunk, steps)
