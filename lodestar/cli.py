@@ -34,6 +34,59 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "stops with an error (default 120)")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec", choices=["ngram", "draft"], default=None,
+                   help="draft tokens and verify them in one step: ngram (prompt lookup over the request's own "
+                        "tokens) or draft (a smaller model, --draft-model); same output, fewer steps")
+    g.add_argument("--num-spec-tokens", type=int, default=8, metavar="N",
+                   help="most draft tokens per verify step (default 8; adaptive below that)")
+    g.add_argument("--draft-model", default=None, metavar="PATH|NAME",
+                   help="with --spec draft: the draft model (same vocabulary as --model)")
+    g.add_argument("--draft-dtype", default=None, choices=["packed", "fp32", "bf16"],
+                   help="the draft model's --dtype (default: packed)")
+    g.add_argument("--spec-ngram", type=int, nargs=2, default=[2, 5], metavar=("MIN", "MAX"),
+                   help="with --spec ngram: n-gram lengths to match, longest first (default 2 5)")
+
+
+def _spec_config(a: argparse.Namespace):
+    """The SpecConfig of --spec/--num-spec-tokens/--spec-ngram (None without --spec); a bad value is a
+    CLIError naming its flag, raised before any model loads."""
+    from lodestar.engine.spec import MAX_SPEC_TOKENS, SpecConfig
+    spec = getattr(a, "spec", None)
+    if not 1 <= a.num_spec_tokens <= MAX_SPEC_TOKENS:
+        raise CLIError(f"--num-spec-tokens {a.num_spec_tokens}: must be in [1, {MAX_SPEC_TOKENS}]")
+    lo, hi = a.spec_ngram
+    if not 1 <= lo <= hi <= 64:
+        raise CLIError(f"--spec-ngram {lo} {hi}: needs 1 <= MIN <= MAX <= 64")
+    if spec == "draft" and getattr(a, "tensor_parallel", 1) > 1:
+        raise CLIError("--spec draft does not work with --tensor-parallel yet")
+    if spec is None:
+        if getattr(a, "draft_model", None):
+            raise CLIError("--draft-model needs --spec draft")
+        return None
+    if spec == "draft" and not a.draft_model:
+        raise CLIError("--spec draft needs --draft-model PATH|NAME (a model with the same vocabulary)")
+    if spec == "ngram" and a.draft_model:
+        raise CLIError("--draft-model is for --spec draft; --spec ngram drafts from the request's own tokens")
+    try:
+        return SpecConfig(method=spec, num_spec_tokens=a.num_spec_tokens, ngram_min=a.spec_ngram[0],
+                          ngram_max=a.spec_ngram[1])
+    except ValueError as e:
+        raise CLIError(f"--spec: {e}") from None
+
+
+def _load_draft(a: argparse.Namespace, progress: bool):
+    """The --draft-model of ``--spec draft`` on --device (None otherwise)."""
+    from lodestar.engine.loader import load_model
+    if getattr(a, "spec", None) != "draft":
+        return None
+    if a.tensor_parallel > 1:
+        raise CLIError("--spec draft does not work with --tensor-parallel yet")
+    return load_model(a.draft_model, mode=a.draft_dtype or "packed", progress=progress,
+                      device=getattr(a, "device", "cpu"))
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", "--temp", type=float, default=temperature,
@@ -67,13 +120,14 @@ def _load_engine(a: argparse.Namespace, progress: bool = True):
     from lodestar.engine.llm_engine import EngineConfig
     if a.threads:
         torch.set_num_threads(a.threads)
+    spec = _spec_config(a)
     loaded = _load_model(a, progress and sys.stderr.isatty())
     cfg = EngineConfig(kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache,
-                       tensor_parallel=loaded.tensor_parallel)
+                       tensor_parallel=loaded.tensor_parallel, spec=spec)
     if a.ctx:
         cfg.max_model_len = a.ctx
         cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
-    return _engine(loaded, cfg)
+    return _engine(loaded, cfg, _load_draft(a, progress and sys.stderr.isatty()))
 
 
 def _load_model(a: argparse.Namespace, progress: bool):
@@ -87,11 +141,16 @@ def _load_model(a: argparse.Namespace, progress: bool):
                       tensor_parallel=a.tensor_parallel, tp_timeout_s=a.tp_timeout)
 
 
-def _engine(loaded, cfg):
-    """An engine over ``loaded``; a model whose engine cannot start stops its workers."""
+def _engine(loaded, cfg, draft=None):
+    """An engine over ``loaded`` (and a draft model); a model whose engine cannot start stops
+    its workers. A draft model the engine refuses (another vocabulary) is a CLIError."""
     from lodestar.engine.llm_engine import LLMEngine
+    from lodestar.engine.spec.drafters import DraftModelError
     try:
-        return LLMEngine(loaded, cfg)
+        return LLMEngine(loaded, cfg, draft=draft)
+    except DraftModelError as e:
+        loaded.close()
+        raise CLIError(str(e)) from None
     except BaseException:
         loaded.close()
         raise
@@ -181,13 +240,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     t_first = None
     n = forced = 0
-    reason = None
+    reason = spec = None
     try:
         for out in engine.stream(ids, params):
             if t_first is None:
                 t_first = time.perf_counter()
             n += len(out.token_ids)
             forced = out.forced_tokens
+            spec = out.speculation or spec
             if out.text:
                 sys.stdout.write(out.text)
                 sys.stdout.flush()
@@ -206,9 +266,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(f"[{engine.loaded.path.name} {engine.loaded.mode}] load {engine.loaded.load_seconds:.2f}s | "
               f"prompt {len(ids)} tok, {len(ids) / max(prefill, 1e-9):.1f} tok/s | "
               f"generated {n} tok, {max(n - 1, 0) / max(decode, 1e-9):.1f} tok/s"
-              f"{f' ({forced} forced by the grammar)' if params.grammar is not None else ''} | finish: {reason}",
-              file=sys.stderr)
+              f"{f' ({forced} forced by the grammar)' if params.grammar is not None else ''}"
+              f"{_spec_summary(spec)} | finish: {reason}", file=sys.stderr)
     return 0
+
+
+def _spec_summary(spec) -> str:
+    """The stats line's speculation part ('' for a request that did not speculate)."""
+    if spec is None:
+        return ""
+    return (f" | spec: {spec.drafted} drafted, {spec.accepted} accepted ({spec.acceptance_rate:.0%}), "
+            f"{spec.verify_steps} verify steps, {spec.tokens_per_step:.1f} tok/step")
 
 
 # -- chat -----------------------------------------------------------------------
@@ -425,7 +493,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if not _is_loopback(a.host) and not api_key:
         raise CLIError(f"refusing to serve on non-loopback address {a.host} without --api-key "
                        "(or LODESTAR_API_KEY): anyone who can reach it could use the model")
-    sock = _bind(a.host, a.port)  # a busy port fails before the model loads
+    spec = _spec_config(a)        # bad speculation flags and a busy port fail before the model loads
+    sock = _bind(a.host, a.port)
 
     import torch
     import uvicorn
@@ -437,11 +506,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.threads:
             torch.set_num_threads(a.threads)
         cfg = EngineConfig(max_num_seqs=a.max_num_seqs, kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache,
-                           tensor_parallel=a.tensor_parallel)
+                           tensor_parallel=a.tensor_parallel, spec=spec)
         if a.ctx:
             cfg.max_model_len = a.ctx
             cfg.kv_tokens = max(cfg.kv_tokens, a.ctx)
-        engine = _engine(_load_model(a, sys.stderr.isatty()), cfg)
+        engine = _engine(_load_model(a, sys.stderr.isatty()), cfg, _load_draft(a, sys.stderr.isatty()))
         try:
             engine.warmup()
         except BaseException:
@@ -466,7 +535,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             await super().startup(sockets)
             if self.started:
                 tp = f", tensor-parallel {loaded.tensor_parallel}" if loaded.tensor_parallel > 1 else ""
-                print(f"lodestar: serving {names[0]} ({loaded.mode}{tp}, context {aeng.max_model_len}) at {url}  "
+                sd = f", spec {spec.method}" if spec is not None else ""
+                print(f"lodestar: serving {names[0]} ({loaded.mode}{tp}{sd}, context {aeng.max_model_len}) at {url}  "
                       f"[OpenAI: {url}/v1, Anthropic: {url}/v1/messages]", flush=True)
 
         async def on_tick(self, counter: int) -> bool:
@@ -499,7 +569,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     import importlib
     module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http",
-              "gguf-fuzz": "fuzz_gguf", "fuzz": "fuzz_http", "structured": "structured"}[a.bench]
+              "gguf-fuzz": "fuzz_gguf", "fuzz": "fuzz_http", "structured": "structured",
+              "spec": "spec"}[a.bench]
     if a.tensor_parallel != 1:
         from lodestar.engine.loader import TENSOR_PARALLEL_ENV
         if a.tensor_parallel < 1:
@@ -531,12 +602,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g, temperature=0.0)
     _add_grammar_args(g)
+    _add_spec_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
     c.add_argument("--system", default=None, help="system prompt")
     _add_model_args(c)
     _add_sampling_args(c, temperature=0.7)
+    _add_spec_args(c)
     c.set_defaults(func=cmd_chat)
 
     m = sub.add_parser("models", help="list known and local models")
@@ -566,6 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level: info (default) logs requests the server changed and long prefills' "
                         "progress; debug adds one access line per request")
+    _add_spec_args(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -636,6 +710,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "differs or jump-forward changes the text")
     bs.add_argument("--json", "--out", dest="json", type=Path, default=None, help="write results as JSON here")
     bs.set_defaults(func=cmd_bench)
+    bp = bsub.add_parser("spec", help="speculative decoding: decode tok/s on vs off (edit, chat, batch), same "
+                         "greedy tokens, acceptance")
+    _add_model_args(bp)
+    _add_spec_args(bp)
+    bp.add_argument("--parts", default="edit,chat,batch",
+                    help="comma-separated parts to run: edit, chat, batch (default all)")
+    bp.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
+    bp.add_argument("--max-tokens", type=int, default=512,
+                    help="new tokens per request at most (default 512)")
+    bp.add_argument("--streams", type=int, default=8, help="batch: edit requests decoded together (default 8)")
+    bp.add_argument("--prompts", type=int, default=None, help="edit, chat: use the first N prompts (default all)")
+    bp.add_argument("--strict", action="store_true",
+                    help="exit 1 when greedy tokens differ on vs off or between runs, a part crashes, or a "
+                         "request that opted out drafted")
+    bp.add_argument("--json", "--out", dest="json", type=Path, default=None, help="write results as JSON here")
+    bp.set_defaults(func=cmd_bench)
     bz = bsub.add_parser("fuzz", help="hostile and malformed HTTP requests against a local server: no 5xx, no "
                          "hang, memory and latency back where they started")
     _add_fuzz_args(bz, "model to serve", 10_000, "requests to send", "a request")

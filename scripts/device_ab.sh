@@ -8,6 +8,12 @@
 #   OUT=DIR bash scripts/device_ab.sh structured  # structured output: GPU tests and the bench on
 #                                              # the default model (both halves carried) and
 #                                              # synthetic 8B -> $OUT/structured-*.json
+#   OUT=DIR bash scripts/device_ab.sh spec-curve  # a verify step of k = 1..8 rows against one decode
+#                                              # row, synthetic 8B F16 / Q4_0 / Q4_K_M, context 512
+#                                              # -> $OUT/spec-curve-8b-*.json
+#   OUT=DIR bash scripts/device_ab.sh spec     # speculative decoding: GPU tests and `lodestar bench
+#                                              # spec` on the default model (both halves carried)
+#                                              # -> $OUT/spec-*.json
 #
 # .ab/base holds the baseline's lodestar/ (git archive BASE lodestar | tar -x -C .ab/base);
 # .whl/ holds wheels of what the machine lacks (gguf, pytest, ...). Both are git-ignored and
@@ -56,5 +62,28 @@ case "${1:-}" in
         --model "$m" --parts cost --cost-tokens 256 --runs 5 --out "$OUT/structured-8b-${m##*:}.json" 2>&1 \
         | tail -8 | tee -a "$OUT/structured.txt"
     done ;;
-  *) echo "usage: OUT=DIR $0 tests|goldens|ab|structured"; exit 2 ;;
+  spec-curve)
+    # python -m lodestar.bench.spec_curve per model, each in its own process: ~20 s to make the
+    # weights, kernels compiled and the decode graphs of buckets 1, 2, 4, 8 captured, then
+    # 8 ks x (3 + 5 runs x 10 steps) timed steps of a few ms; SPEC_S bounds each model
+    for t in f16 q4_0 q4_k_m; do
+      PYTHONPATH="$PWD:$DEPS" timeout -k 10 ${SPEC_S:-110} $PY -m lodestar.bench.spec_curve --device cuda \
+        --model llama-3.1-8b --dtype $t --rows 1 2 3 4 5 6 7 8 --context 512 --runs 5 --steps 10 \
+        --json "$OUT/spec-curve-8b-$t.json" 2>&1 | tail -14 | tee -a "$OUT/spec-curve.txt"
+    done ;;
+  spec)
+    # speculative decoding: GPU tests, then `lodestar bench spec` on the default model at two
+    # draft-length ceilings (no prefix cache: a cached prefix prefills in another shape on the
+    # GPU, other bits, which would blur the on/off token comparison)
+    cat .model/smol.tar.part00 .model/smol.tar.part01 | tar -x -C "$DEPS" || { echo "model halves missing"; exit 3; }
+    PYTHONPATH="$PWD:$DEPS" timeout -k 10 ${TESTS_S:-240} $PY -m pytest -q -p no:cacheprovider -o addopts="" -n 8 \
+      --junitxml="$OUT/pytest-spec.xml" tests/engine/test_spec_cuda.py tests/engine/test_grammar_cuda.py \
+      tests/engine/test_cuda_exactness.py tests/engine/test_overlap.py tests/engine/test_spec_sampling.py \
+      ${SPEC_TESTS:-} 2>&1 | tail -20 | tee "$OUT/pytest-spec.txt"
+    for n in ${SPEC_TOKENS:-4 8}; do
+      PYTHONPATH="$PWD:$DEPS" timeout -k 10 ${BENCH_S:-150} $PY -m lodestar.cli bench spec --device cuda \
+        --no-prefix-cache --num-spec-tokens $n --runs ${RUNS:-3} --json "$OUT/spec-h200-smollm2-g$n.json" 2>&1 \
+        | tail -40 | tee -a "$OUT/spec.txt"
+    done ;;
+  *) echo "usage: OUT=DIR $0 tests|goldens|ab|structured|spec-curve|spec"; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """The command line as a user drives it: text on stdout, one-line errors with exit code 2."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,3 +142,49 @@ def test_grammar_flags_are_mutually_exclusive():
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+# -- speculative decoding flags ------------------------------------------------------
+REPEAT_LIST = ("Repeat this list exactly, one item per line: 1. red apple 2. green pear 3. yellow lemon "
+               "4. purple plum 5. orange peach")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("args,needle", [
+    (["--num-spec-tokens", "0"], "--num-spec-tokens 0: must be in [1, 16]"),
+    (["--spec", "ngram", "--num-spec-tokens", "17"], "--num-spec-tokens 17"),
+    (["--spec", "ngram", "--spec-ngram", "5", "2"], "--spec-ngram 5 2"),
+    (["--spec", "draft"], "--spec draft needs --draft-model"),
+    (["--draft-model", "smollm2-135m"], "--draft-model needs --spec draft"),
+    (["--spec", "ngram", "--draft-model", "smollm2-135m"], "--draft-model is for --spec draft"),
+    (["--spec", "draft", "--draft-model", "smollm2-135m", "--tensor-parallel", "2"], "--tensor-parallel"),
+])
+def test_bad_spec_flag_is_one_line_exit_2_before_loading(command, args, needle, capsys):
+    from lodestar.cli import main
+    prompt = ["-p", "hi"] if command == "generate" else []
+    port = ["--port", "0"] if command == "serve" else []
+    # the model path does not exist: a flag error that came after loading would name it instead
+    assert main([command, *prompt, *port, "--model", "/no/such/model.gguf", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err
+
+
+def test_generate_spec_ngram_reports_speculation_and_keeps_the_text(smollm_path):
+    plain = run("generate", "-p", REPEAT_LIST, "-n", "32", "--threads", "1")
+    spec = run("generate", "-p", REPEAT_LIST, "-n", "32", "--threads", "1", "--spec", "ngram")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert spec.stdout == plain.stdout                # greedy output does not change
+    assert "| spec:" not in plain.stderr
+    m = re.search(r"\| spec: (\d+) drafted, (\d+) accepted \((\d+)%\), (\d+) verify steps, ([0-9.]+) tok/step",
+                  spec.stderr)
+    assert m, spec.stderr
+    drafted, accepted, steps = int(m.group(1)), int(m.group(2)), int(m.group(4))
+    assert drafted > 0 and 0 < accepted <= drafted and steps > 0 and float(m.group(5)) > 1.0
+
+
+def test_generate_missing_draft_model_is_one_line_exit_2(smollm_path):
+    r = run("generate", "-p", "hi", "-n", "4", "--threads", "1", "--spec", "draft", "--draft-model",
+            "/no/such/draft.gguf")
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("loading")]
+    assert len(lines) == 1 and "/no/such/draft.gguf" in lines[0] and "Traceback" not in r.stderr, r.stderr

@@ -77,3 +77,31 @@ def device_info() -> dict:
 
 def ids_hash(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def drive(engine, prompts: list[list[int]], params: list, new_run, record) -> list:
+    """Add all requests and step the engine until they finish. ``new_run(t0)`` makes each
+    request's record; ``record(run, output, now)`` takes each of its outputs. Records in
+    prompt order."""
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    runs = {i: new_run(t0) for i in ids}
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            r = runs.get(o.request_id)
+            if r is not None:
+                record(r, o, now)
+    return [runs[i] for i in ids]
+
+
+def parse_parts(text: str, choices: tuple[str, ...]) -> list[str]:
+    """A benchmark's ``--parts`` list (comma-separated, each one of ``choices``); CLIError else."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in parts if p not in choices]
+    if bad or not parts:
+        from lodestar.cli import CLIError
+        raise CLIError(f"--parts {text!r}: choose from {', '.join(choices)} (comma-separated)")
+    return parts
+

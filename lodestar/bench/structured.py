@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lodestar.bench import common
 from lodestar.bench.common import Stat, device_info, git_commit, ids_hash
 from lodestar.bench.serve_load import decode_rate
 from lodestar.bench.structured_schemas import (KEY_HEAVY, SCHEMAS, TOOLS, SchemaCase, tool_call_grammar,
@@ -68,25 +69,16 @@ class Run:
 
 def drive(engine, prompts: list[list[int]], params: list) -> list[Run]:
     """Add all requests, step the engine until they finish; results in prompt order."""
-    t0 = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    runs = {i: Run(t_start=t0) for i in ids}
-    while engine.has_unfinished():
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            r = runs.get(o.request_id)
-            if r is None:
-                continue
-            if o.token_ids:
-                r.token_ids += o.token_ids
-                r.forced_at += [False] + [True] * (len(o.token_ids) - 1)   # a step samples one, forces the rest
-                r.arrivals.append((now, len(o.token_ids)))
-            r.text += o.text
-            r.forced = o.forced_tokens
-            if o.finished:
-                r.finish_reason, r.t_end = o.finish_reason, now
-    return [runs[i] for i in ids]
+    def record(r: Run, o, now: float) -> None:
+        if o.token_ids:
+            r.token_ids += o.token_ids
+            r.forced_at += [False] + [True] * (len(o.token_ids) - 1)   # a step samples one, forces the rest
+            r.arrivals.append((now, len(o.token_ids)))
+        r.text += o.text
+        r.forced = o.forced_tokens
+        if o.finished:
+            r.finish_reason, r.t_end = o.finish_reason, now
+    return common.drive(engine, prompts, params, lambda t0: Run(t_start=t0), record)
 
 
 def chat_ids(tokenizer, messages: list[dict] | str) -> list[int]:
@@ -477,12 +469,7 @@ def _strip(obj):
 
 
 def parse_parts(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in parts if p not in PARTS]
-    if bad or not parts:
-        from lodestar.cli import CLIError
-        raise CLIError(f"--parts {text!r}: choose from {', '.join(PARTS)} (comma-separated)")
-    return parts
+    return common.parse_parts(text, PARTS)
 
 
 def main(a: argparse.Namespace) -> int:

@@ -186,6 +186,10 @@ class GrammarMatcher:
         if num_tokens and not self._m.rollback(int(num_tokens)):
             raise RuntimeError(f"grammar matcher could not roll back {num_tokens} tokens: {self._m.get_error()}")
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar would accept from here (state unchanged)."""
+        return int(self._m.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
     def forced(self) -> list[int]:
         """Tokens the grammar forces next, tokenized canonically (empty when there is a choice)."""
         return list(self._m.compute_ff_tokens())

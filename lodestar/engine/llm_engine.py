@@ -21,6 +21,14 @@ and the sampler applies them. The matcher advances only on accepted tokens; when
 grammar is complete the request stops at once. Jump-forward: after a token, the tokens
 the grammar then forces are appended without sampling, and the next step feeds them
 with the row's last token as one chunk (one forward pass for the whole run).
+
+Speculative decoding (``EngineConfig.spec``, ``engine.spec``): before each step the drafter
+proposes up to gamma tokens for every running request that speculates (its own adaptive
+gamma; a grammar cuts drafts to the prefix it allows). The scheduler feeds the last token
+and the drafts as one run whose rows all return logits, beside ordinary decode rows and
+prefill chunks; ``_verify`` keeps the accepted drafts and one token of the target's, and
+the rows of rejected drafts leave the KV (blocks past the accepted tokens are freed at
+once). Speculating requests do not overlap steps while they draft.
 """
 from __future__ import annotations
 
@@ -39,11 +47,15 @@ from lodestar.engine.faults import ModelFaultError, NonFiniteLogitsError, model_
 from lodestar.engine.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
 from lodestar.engine.kv_cache import BlockPool
 from lodestar.engine.loader import LoadedModel
-from lodestar.engine.model_runner import ModelRunner, PendingDecode
+from lodestar.engine.grammar import apply_masks
+from lodestar.engine.model_runner import GRAPH_BATCH_SIZES, STEPWISE_MAX, ModelRunner, PendingDecode
 from lodestar.engine.sampling import (SampleResult, Sampler, SamplerState, SamplingParams, argmax_only, mask_rows,
                                      plain_greedy)
 from lodestar.engine.scheduler import ScheduledBatch, Scheduler
 from lodestar.engine.sequence import Sequence
+from lodestar.engine.spec import SpecConfig, SpecStats
+from lodestar.engine.spec.drafters import DraftModelDrafter, DraftModelError, NgramDrafter, check_vocabularies
+from lodestar.engine.spec.verify import SpecState, argmax_rows, expected_tokens, verify_greedy, verify_sampled
 
 
 def _slots(blocks: list[int], block_size: int) -> torch.Tensor:
@@ -76,6 +88,7 @@ class EngineConfig:
     prefill_graphs: bool = True         # also for one whole prompt's prefill, per token-count bucket
                                         # (CUDA, one rank; needs cuda_graphs)
     tensor_parallel: int = 1            # ranks; must match load_model(..., tensor_parallel=N) (1: as loaded)
+    spec: SpecConfig | None = None      # speculative decoding (None: off)
     overlap_decode: bool | None = None  # queue the next greedy decode step before reading this one's
                                         # tokens (None: on where it gains, CUDA graphs on one rank)
 
@@ -96,6 +109,7 @@ class RequestOutput:
     cache_read_disk_tokens: int = 0 # ... of which were read from the disk tier
     cache_write_tokens: int = 0     # tokens of this request checkpointed to the disk tier
     forced_tokens: int = 0          # output tokens a grammar forced (jump-forward), so far
+    speculation: SpecStats | None = None   # drafts scored and accepted, so far (None: not speculating)
 
 
 @dataclass
@@ -115,11 +129,28 @@ log = logging.getLogger("lodestar.engine")
 PREFILL_LOG_S = 10.0    # a prompt still prefilling after this long is logged, and again at this interval
 
 
+def _check_spec(spec: SpecConfig | None, draft: LoadedModel | None, world: int) -> None:
+    """Speculation settings that cannot work, refused before anything is allocated."""
+    if spec is None:
+        if draft is not None:
+            raise ValueError("a draft model needs EngineConfig.spec = SpecConfig('draft')")
+        return
+    if world > 1:
+        raise ValueError("speculative decoding does not work with tensor parallelism yet")
+    if spec.method == "ngram" and draft is not None:
+        raise ValueError("SpecConfig('ngram') drafts from the request's own tokens; use SpecConfig('draft') "
+                         "with a draft model")
+    if spec.method == "draft" and draft is None:
+        raise DraftModelError("speculation method 'draft' needs a draft model: LLMEngine(..., draft=load_model(...))")
+
+
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 draft: LoadedModel | None = None) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = cfg = config or EngineConfig()
+        _check_spec(cfg.spec, draft, getattr(loaded, "tensor_parallel", 1))
         num_blocks = -(-cfg.kv_tokens // cfg.block_size)
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
         # Block hashes are per process and weights: the mode changes the KV values.
@@ -172,10 +203,23 @@ class LLMEngine:
         self.requests: dict[int, Sequence] = {}
         self._skip_ids = frozenset(self.tokenizer.special_ids)
         self._inflight: PendingDecode | None = None
+        self.drafter = self._drafter(cfg.spec, draft, world)
         overlap = cfg.overlap_decode
         if overlap is None:
             overlap = self.device.type == "cuda" and cfg.cuda_graphs
         self.overlap = bool(overlap) and world == 1 and self.runner.can_overlap
+
+    def _drafter(self, spec: SpecConfig | None, draft: LoadedModel | None, world: int):
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramDrafter(spec.ngram_min, spec.ngram_max)
+        if torch.device(getattr(draft, "device", "cpu")) != self.device:
+            raise DraftModelError(f"the draft model is on {getattr(draft, 'device', 'cpu')}, the target on "
+                                  f"{self.device}: load both on the same device")
+        check_vocabularies(self.tokenizer, draft.tokenizer, self.loaded.path, draft.path)
+        return DraftModelDrafter(draft, self.loaded.config.vocab_size, self.config.kv_tokens, self.config.block_size,
+                                 self.max_model_len, self.config.cuda_graphs)
 
     # -- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
@@ -195,6 +239,8 @@ class LLMEngine:
         seq = Sequence(next(self._ids), list(prompt_ids), params)
         seq.sampler_state = SamplerState(params, prompt_ids)
         seq.sampler_state.grammar = matcher
+        if self.drafter is not None and params.speculate:
+            seq.spec = SpecState(self.config.spec)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer.token_bytes, self._skip_ids, params.stop,
                                                  params.include_stop_str_in_output)
         self.requests[seq.seq_id] = seq
@@ -301,6 +347,8 @@ class LLMEngine:
             outs = self._collect()
             if outs or self._inflight is not None:
                 return outs
+        if self.drafter is not None:
+            self._draft()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -310,8 +358,10 @@ class LLMEngine:
             self.stats["overlapped_steps"] += 1
             return self._collect()
         logits = self._run(batch)
-        results = self._sample(batch.sampled, logits)
-        return [self._accept(seq, res) for seq, res in zip(batch.sampled, results)]
+        seqs = batch.sampled
+        if not any(s.draft_ids for s in seqs):
+            return [self._accept(seq, [res]) for seq, res in zip(seqs, self._sample(seqs, logits))]
+        return self._verify(seqs, logits)
 
     def _run(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """The model on one batch; then its new full blocks go to the prefix cache and a cold
@@ -391,6 +441,7 @@ class LLMEngine:
         # greedy rows under a grammar too, on a GPU: their masks are applied after the graph (``_pick``)
         masked = self.device.type == "cuda"
         return (self.overlap and batch.is_decode and self.runner.launchable(batch.seqs)
+                and not any(s.spec is not None and s.spec.active for s in batch.seqs)
                 and all(plain_greedy(s.params) or (masked and argmax_only(s.params)) for s in batch.seqs))
 
     def _pick(self, pending) -> None:
@@ -411,6 +462,7 @@ class LLMEngine:
         cur, self._inflight = self._inflight, None
         # (a row with tokens a grammar forced after its last one feeds them as a chunk: no next step)
         if (self.overlap and all(s.num_tokens <= s.num_computed for s in cur.seqs)
+                and not any(s.spec is not None and s.spec.active for s in cur.seqs)
                 and self.scheduler.can_continue(cur.seqs) and self.runner.launchable(cur.seqs)):
             self._inflight = self.runner.launch(cur.seqs, cur)
             self.stats["overlapped_steps"] += 1
@@ -424,27 +476,45 @@ class LLMEngine:
             if not good:   # greedy with nothing applied: the logits are as the model computed them
                 raise self._model_fault(f"the model computed NaN or -inf logits (request {seq.seq_id})")
             self.scheduler.register_full_blocks(seq)
-            outs.append(self._accept(seq, SampleResult(tok)))
+            outs.append(self._accept(seq, [SampleResult(tok)]))
         if self._inflight is not None:
             self._pick(self._inflight)
         return outs
 
-    def _accept(self, seq: Sequence, res) -> RequestOutput:
+    def _accept(self, seq: Sequence, results: list[SampleResult], drafted: int | None = None) -> RequestOutput:
+        """A step's tokens for ``seq`` (one; or a verify run's accepted drafts and the target's
+        token, ``drafted`` drafts having been scored): append them up to the first that ends
+        the request, then what a grammar forces."""
         p = seq.params
-        tok = res.token_id
-        lp = [(res.logprob, res.top_logprobs)] if p.logprobs is not None else None
-        text, reason = self._append(seq, tok)
-        tokens = [tok]
+        lp = [] if p.logprobs is not None else None
         grammar = seq.sampler_state.grammar
+        tokens: list[int] = []
+        text, reason = "", None
+        for res in results:
+            piece, reason = self._append(seq, res.token_id)
+            text += piece
+            tokens.append(res.token_id)
+            if lp is not None:
+                lp.append((res.logprob, res.top_logprobs))
+            if grammar is not None and reason is None:
+                reason = self._grammar_accept(seq, grammar, res.token_id)
+            if reason:
+                break
         if grammar is not None and reason is None:
-            text, reason = self._advance_grammar(seq, grammar, tok, text, tokens)
+            text, reason = self._jump_forward(seq, grammar, text, tokens)
+        st = seq.spec
+        if drafted is not None:
+            self._settle(seq, drafted, len(results) - 1)
+        elif st is not None and not st.active:
+            st.tick()
         if reason:
             text += seq.detokenizer.flush()
             self._finish(seq, reason)
         return RequestOutput(seq.seq_id, tokens, text, reason is not None, reason, lp,
                              len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens,
                              seq.disk_read_tokens, seq.cache_write_tokens,
-                             grammar.forced_total if grammar is not None else 0)
+                             grammar.forced_total if grammar is not None else 0,
+                             st.stats if st is not None and st.stats.verify_steps else None)
 
     def _append(self, seq: Sequence, tok: int) -> tuple[str, str | None]:
         """One new output token: (its text, finish reason or None)."""
@@ -460,15 +530,16 @@ class LLMEngine:
             return text, "length"
         return text, None
 
-    def _advance_grammar(self, seq: Sequence, grammar, tok: int, text: str, tokens: list[int]
-                         ) -> tuple[str, str | None]:
-        """Move the grammar over ``tok``; stop when it is complete; else append what it forces."""
+    def _grammar_accept(self, seq: Sequence, grammar, tok: int) -> str | None:
+        """Move the grammar over ``tok``: "stop" when it is complete, "error" if it refuses it."""
         if not grammar.accept(tok):
             log.error("request %d: token %d is outside its grammar (%s); ending it", seq.seq_id, tok,
                       grammar.error() or "not allowed")
-            return text, "error"
-        if grammar.is_stopped():
-            return text, "stop"
+            return "error"
+        return "stop" if grammar.is_stopped() else None
+
+    def _jump_forward(self, seq: Sequence, grammar, text: str, tokens: list[int]) -> tuple[str, str | None]:
+        """Append the tokens the grammar forces now (jump-forward)."""
         if not seq.params.jump_forward or seq.params.logprobs is not None:
             return text, None
         for forced in grammar.forced():
@@ -487,7 +558,173 @@ class LLMEngine:
                 return text, reason
         return text, None
 
+    # -- speculative decoding --------------------------------------------------------
+    def _draft(self) -> None:
+        """Drafts for the running requests that speculate and decode one token next step. On a
+        GPU none while a prompt is being admitted: a step with a prefill chunk runs eagerly,
+        where a verify run would not get the bits of decode steps (the decode graph's)."""
+        if self.device.type == "cuda" and self.scheduler.admitting():
+            for s in self.scheduler.running:
+                s.draft_ids.clear()
+            return
+        seqs, gammas = [], []
+        for s in self.scheduler.running:
+            s.draft_ids.clear()
+            st = s.spec
+            if st is None or not st.active or s.num_tokens - s.num_computed != 1:
+                continue
+            # no draft past max_tokens or the context (the target adds a token of its own)
+            limit = min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.num_tokens,
+                        STEPWISE_MAX) - 1
+            g = st.next_gamma(limit)
+            if g > 0:
+                seqs.append(s)
+                gammas.append(g)
+        if not seqs:
+            return
+        gammas = self._cap_drafts(seqs, gammas)
+        if not any(gammas):
+            return
+        for s, g, d in zip(seqs, gammas, self.drafter.propose(seqs, gammas)):
+            toks = d.tokens[:g]
+            grammar = s.sampler_state.grammar
+            if grammar is not None and toks:
+                toks = toks[:grammar.valid_prefix(toks)]
+            if not toks:
+                s.spec.no_draft()
+                continue
+            s.draft_ids.extend(toks)
+            s.spec.q = d.q
+
+    def _cap_drafts(self, seqs: list[Sequence], gammas: list[int]) -> list[int]:
+        """One cap on this step's draft lengths that maximizes the step's expected tokens per
+        unit of time (``ModelRunner.step_cost``: several requests' drafts share one step, and
+        on a GPU a step costs what its graph bucket costs); verify runs stay within the largest
+        decode graph."""
+        rows = len(self.scheduler.running)
+        if self.device.type == "cuda":
+            spare = GRAPH_BATCH_SIZES[-1] - rows
+            while sum(gammas) > spare and max(gammas) > 0:
+                j = gammas.index(max(gammas))
+                gammas[j] -= 1
+        alphas = [s.spec.alpha for s in seqs]
+        cost = self.runner.step_cost
+        best, best_rate = 0, rows / cost(rows)
+        for cap in range(1, max(gammas) + 1):
+            gs = [min(g, cap) for g in gammas]
+            tokens = rows - len(seqs) + sum(expected_tokens(a, g) for a, g in zip(alphas, gs))
+            rate = tokens / cost(rows + sum(gs))
+            if rate > best_rate * 1.001:
+                best, best_rate = cap, rate
+        return [min(g, best) for g in gammas]
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        """Outputs of a step with verify runs: plain rows sample as usual, greedy runs keep the
+        drafts that match the argmax, sampled runs use rejection sampling (``spec.verify``)."""
+        offs, r = [], 0
+        for s in seqs:
+            offs.append(r)
+            r += 1 + len(s.draft_ids)
+        results: dict[int, list[SampleResult]] = {}
+        plain = [i for i, s in enumerate(seqs) if not s.draft_ids]
+        if plain:
+            res = self._sample([seqs[i] for i in plain], logits[[offs[i] for i in plain]])
+            results.update((i, [x]) for i, x in zip(plain, res))
+        runs = [i for i, s in enumerate(seqs) if s.draft_ids]
+        greedy = [i for i in runs if argmax_only(seqs[i].params)]
+        try:
+            if greedy:
+                idx = [offs[i] + j for i in greedy for j in range(1 + len(seqs[i].draft_ids))]
+                masked = [(off, seqs[i]) for off, i in self._sub_offsets(greedy, seqs)
+                          if seqs[i].sampler_state.grammar is not None]
+                picks = None if masked else self.runner.greedy_picks()
+                if picks is not None:        # the decode graph's own argmax of every row
+                    tokens, ok = picks
+                    bad = [j for j in idx if not ok[j]]
+                    if bad:
+                        raise NonFiniteLogitsError(bad, [float("nan")] * len(bad))
+                    targets = [tokens[j] for j in idx]
+                else:
+                    sub = logits[idx]
+                    if masked:
+                        self._run_masks(sub, masked)
+                    targets = argmax_rows(sub)
+                for i, toks in zip(greedy, verify_greedy(targets, [seqs[i].draft_ids for i in greedy])):
+                    results[i] = [SampleResult(t) for t in toks]
+            for i in runs:
+                if i in results:
+                    continue
+                s = seqs[i]
+                k = len(s.draft_ids)
+                q = s.spec.q[:k] if s.spec.q is not None else None
+                results[i] = verify_sampled(self.sampler, logits[offs[i]:offs[i] + k + 1], s.sampler_state,
+                                            list(s.draft_ids), q, lambda s=s: self._one_mask(s))
+        except NonFiniteLogitsError as e:
+            raise self._model_fault(str(e)) from None
+        outs = []
+        for i, s in enumerate(seqs):
+            drafted = len(s.draft_ids) if s.draft_ids else None
+            outs.append(self._accept(s, results[i], drafted))
+        return outs
+
+    @staticmethod
+    def _sub_offsets(greedy: list[int], seqs: list[Sequence]) -> list[tuple[int, int]]:
+        out, r = [], 0
+        for i in greedy:
+            out.append((r, i))
+            r += 1 + len(seqs[i].draft_ids)
+        return out
+
+    def _run_masks(self, logits: torch.Tensor, runs: list[tuple[int, Sequence]]) -> None:
+        """Apply grammar masks to verify rows: row j of a run is masked with the grammar in the
+        state after the run's first j drafts (the grammar is stepped over them and back)."""
+        rows = [off + j for off, s in runs for j in range(len(s.draft_ids) + 1)]
+        masks = torch.zeros((len(rows), self.grammars.words), dtype=torch.int32)
+        t0 = time.perf_counter()
+        r = 0
+        for off, s in runs:
+            g = s.sampler_state.grammar
+            drafts = s.draft_ids
+            for j in range(len(drafts) + 1):
+                self.grammars.fill_masks([g], masks[r:r + 1])
+                r += 1
+                if j < len(drafts) and not g.accept(drafts[j]):
+                    raise RuntimeError(f"draft token {drafts[j]} passed the grammar check but was refused")
+            g.rollback(len(drafts))
+        self.stats["grammar_mask_rows"] += len(rows)
+        self.stats["grammar_mask_ns"] += int((time.perf_counter() - t0) * 1e9)
+        apply_masks(logits, rows, masks.pin_memory() if logits.is_cuda else masks)
+
+    def _one_mask(self, seq: Sequence) -> torch.Tensor | None:
+        g = seq.sampler_state.grammar
+        if g is None:
+            return None
+        return self._grammar_masks([g])
+
+    def _settle(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """After a verify run: only the last token and the accepted drafts stay in the KV (the
+        last emitted token stays uncomputed, as after a plain step), the blocks past them are
+        freed, and the request's gamma adapts."""
+        seq.num_computed = min(seq.num_computed - drafted + accepted, seq.num_tokens - 1)
+        keep = self.pool.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep and not seq.is_finished:
+            self.pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        seq.draft_ids.clear()
+        self.scheduler.register_full_blocks(seq)
+        rows = len(self.scheduler.running)
+        base = self.runner.step_cost(rows)
+        seq.spec.record(drafted, accepted, lambda g: self.runner.step_cost(rows + g) / base)
+        seq.spec.q = None
+        self.stats["spec_drafted"] += drafted
+        self.stats["spec_accepted"] += accepted
+        self.stats["spec_verify_steps"] += 1
+        self.stats["spec_emitted"] += accepted + 1
+
     def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.draft_ids.clear()
+        if self.drafter is not None:
+            self.drafter.release(seq)
         if reason != "abort":    # the whole conversation so far, for the next turn after a restart
             self._save_to_disk(*self._chain(seq))
         self.scheduler.finish(seq, reason)

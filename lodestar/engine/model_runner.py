@@ -34,7 +34,6 @@ speed).
 from __future__ import annotations
 
 import gc
-import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,6 +50,10 @@ from lodestar.kernels.triton_step_inputs import stage_bytes, stage_views, take_i
 from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# A CPU step's time grows by about this fraction of a one-row step per extra decode row (the
+# packed kernels read each weight once per call; attention runs row by row); measured by
+# ``python -m lodestar.bench.spec_curve --device cpu`` (docs/speculative-decoding.md)
+CPU_ROW_COST = 0.1
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
@@ -169,6 +172,16 @@ def _decoded_run(seq: Sequence, n: int) -> bool:
     return 1 < n <= STEPWISE_MAX and seq.num_computed >= seq.prompt_len
 
 
+def _logit_rows(num_new: list[int], want_logits: list[int] | None) -> list[int]:
+    """Flat row indices of the last ``want_logits[i]`` new tokens of each sequence (default: 1)."""
+    rows, end = [], 0
+    for i, n in enumerate(num_new):
+        end += n
+        w = 1 if want_logits is None else int(want_logits[i])
+        rows.extend(range(end - w, end))
+    return rows
+
+
 class ModelRunner:
     """Owns the model and its KV tensors; turns (sequence, new-token count) rows into logits."""
 
@@ -178,6 +191,7 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = torch.device(device)
+        self._picks = None
         if self.device.type == "cpu":
             self.kv_bytes = allocate_kv_tensors(model.attention_layers, pool.num_blocks, pool.block_size, kv_dtype)
             return
@@ -193,6 +207,7 @@ class ModelRunner:
         self.n_kv_heads = layers[0].n_kv_heads
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[int, DecodeGraph] = {}
+        self._bucket_ms: dict[int, float] = {}        # replay time per graph bucket (``step_cost``)
         self.graph_replays = 0
         self.prefill_graphs = prefill_graphs
         self.prefill_buckets: dict[int, PrefillGraph] = {}
@@ -207,6 +222,37 @@ class ModelRunner:
             if hasattr(m, "ensure_positions"):
                 m.ensure_positions(self.max_model_len + 1)
 
+    def step_cost(self, rows: int) -> float:
+        """Time of a decode step of ``rows`` rows relative to one row: on a GPU the replay time
+        of the graph bucket that holds them (each bucket timed once, at first use, with padded
+        rows), on the CPU a linear model. Speculation sizes its drafts by it."""
+        if self.device.type == "cpu" or not self.cuda_graphs:
+            return 1.0 + CPU_ROW_COST * (rows - 1)
+        if rows > GRAPH_BATCH_SIZES[-1]:
+            return self.step_cost(GRAPH_BATCH_SIZES[-1]) * rows / GRAPH_BATCH_SIZES[-1]
+        size = next(b for b in GRAPH_BATCH_SIZES if b >= rows)
+        for b in (1, size):
+            if b not in self._bucket_ms:
+                self._bucket_ms[b] = self._time_bucket(b)
+        return self._bucket_ms[size] / self._bucket_ms[1]
+
+    @torch.inference_mode()
+    def _time_bucket(self, size: int, reps: int = 10) -> float:
+        """Median ms of a replay of the ``size``-row decode graph on padded rows."""
+        g = self._graph_for(size)
+        times = []
+        for i in range(reps + 2):
+            st = self._stage(g, [], host_ids=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.graph.replay()
+            end.record()
+            st.copied.record()
+            end.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` to hold ``num_tokens`` tokens (may raise OutOfBlocksError)."""
         need = self.pool.blocks_needed(num_tokens) - len(seq.block_table)
@@ -214,12 +260,13 @@ class ModelRunner:
             seq.block_table.extend(self.pool.allocate(need))
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None = None
+    def run(self, seqs: list[Sequence], num_new: list[int], want_logits: list[int] | None = None
             ) -> torch.Tensor | None:
         """Feed ``num_new[i]`` uncomputed tokens of each sequence; advance ``num_computed``.
 
-        Returns fp32 logits ``[R, V]`` (on the model's device) at the last new token of each
-        row whose ``want_logits`` is true (all rows by default), or None when none is wanted.
+        Returns fp32 logits (on the model's device) at the last ``want_logits[i]`` new tokens
+        of each sequence (0: none; a speculative verify run wants all of its rows; default:
+        the last one of each), in batch order, or None when none is wanted.
         """
         if self.device.type != "cpu":
             return self._run_device(seqs, num_new, want_logits)
@@ -235,8 +282,9 @@ class ModelRunner:
         return self._advance(seqs, num_new, batch, hidden, want_logits)
 
     # -- CUDA ------------------------------------------------------------------------
-    def _run_device(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None
+    def _run_device(self, seqs: list[Sequence], num_new: list[int], want_logits: list[int] | None
                     ) -> torch.Tensor | None:
+        self._picks = None
         for s, n in zip(seqs, num_new):
             self.ensure_blocks(s, s.num_computed + n)
         # decode rows, and runs of decoded tokens (a grammar's forced run) as one row per token:
@@ -251,10 +299,10 @@ class ModelRunner:
             logits = self._replay(flat, positions)
             for s, n in zip(seqs, num_new):
                 s.num_computed += n
-            last = list(itertools.accumulate(num_new))
-            keep = [last[i] - 1 for i in range(len(seqs)) if want_logits is None or want_logits[i]]
+            keep = _logit_rows(num_new, want_logits)
             if not keep:
                 return None
+            self._picks = (self._last_replay, keep)
             return logits if keep == list(range(len(logits))) else logits[keep]
         if self._prefill_graphable(seqs, num_new, want_logits):
             return self._prefill_replay(seqs[0], num_new[0])
@@ -264,7 +312,7 @@ class ModelRunner:
     def _prefill_graphable(self, seqs: list[Sequence], num_new: list[int], want_logits: list[bool] | None) -> bool:
         """One sequence prefilling from position 0, its logits wanted, in a bucket's reach."""
         return (self.prefill_graphs and self.cuda_graphs and len(seqs) == 1 and seqs[0].num_computed == 0
-                and 1 < num_new[0] <= self.max_prefill_graph and (want_logits is None or want_logits[0]))
+                and 1 < num_new[0] <= self.max_prefill_graph and (want_logits is None or want_logits[0] == 1))
 
     def _prefill_capture(self, size: int) -> PrefillGraph:
         dev, bs = self.device, self.pool.block_size
@@ -358,12 +406,10 @@ class ModelRunner:
         """Mark the fed tokens computed; logits at each wanted row's last new token."""
         for s, n in zip(seqs, num_new):
             s.num_computed += n
-        rows = batch.query_start_loc[1:] - 1
-        if want_logits is not None:
-            rows = rows[torch.tensor(want_logits, dtype=torch.bool)]
-        if rows.numel() == 0:
+        rows = _logit_rows(num_new, want_logits)
+        if not rows:
             return None
-        return self.model.compute_logits(hidden[rows.to(hidden.device)])
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
 
     def _forward_logits(self, g: DecodeGraph) -> torch.Tensor:
         hidden = self.model(g.ids, g.inputs.positions, g.batch)
@@ -490,11 +536,24 @@ class ModelRunner:
         st.header[1] = width
         return st
 
+    def greedy_picks(self) -> tuple[list[int], list[bool]] | None:
+        """Greedy tokens of the rows the last ``run`` returned logits for, as its decode graph
+        computed them (first maximal index of the raw logits; whether that maximum is above
+        -inf), or None when that step did not replay a graph. Saves a reduction and a copy
+        per step where plain argmax is all the rows need (speculative verify)."""
+        if self._picks is None:
+            return None
+        pending, keep = self._picks
+        tokens, ok = pending.tokens()
+        return [tokens[r] for r in keep], [ok[r] for r in keep]
+
     def _replay(self, seqs: list[Sequence], positions: list[int] | None = None) -> torch.Tensor:
         g = self._graph_for(len(seqs))
+        p = g.stage
         st = self._stage(g, seqs, host_ids=True, row_positions=positions)
         g.graph.replay()
         st.copied.record()
+        self._last_replay = PendingDecode(seqs, g.outs_host[p], st.copied, g)
         self.graph_replays += 1
         return g.logits[:len(seqs)].clone()
 

@@ -62,6 +62,8 @@ class SamplingParams:
     (``engine.grammar.GrammarSpec``); end-of-sequence is allowed only where it is complete.
     jump_forward: append the tokens a grammar forces without a forward pass each (off
     while logprobs are requested: forced tokens have none).
+    speculate: let the engine's drafter propose tokens for this request (when the engine
+    has speculation on, ``EngineConfig.spec``); False decodes it one token per step.
     """
 
     temperature: float = 1.0
@@ -81,6 +83,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     grammar: GrammarSpec | None = None
     jump_forward: bool = True
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -131,6 +134,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of token ids (ints >= 0)")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.speculate, bool):
+            raise bad("speculate", "must be true or false")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise bad("grammar", "must be an engine.grammar.GrammarSpec or None")
 
@@ -250,6 +255,31 @@ class Sampler:
         return [SampleResult(ids[i], logprobs[i], top[i]) for i in range(batch)]
 
 
+    def distribution(self, logits: torch.Tensor, states: Sequence[SamplerState],
+                     masks: torch.Tensor | None = None) -> torch.Tensor:
+        """float64 [B, V]: the distribution ``sample`` draws row i's token from (in token-id
+        order, summing to 1): a point mass at the processed argmax for greedy rows. What
+        speculative verification accepts drafts against. Draws nothing."""
+        processed = self.process(logits, states, masks)
+        best = processed.max(dim=-1).values
+        if not bool(torch.isfinite(best).all()):
+            _check_finite(logits)
+            rows = (~(best > -math.inf)).nonzero().flatten().tolist()
+            raise ValueError(f"no token can be sampled in batch rows {rows}: logit_bias (with the grammar, if "
+                             "any) bans every token the model left possible")
+        out = torch.zeros(processed.shape, dtype=torch.float64, device=processed.device)
+        greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
+        sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
+        for i in greedy:
+            out[i, processed[i].argmax()] = 1.0
+        if sampled:
+            rows = torch.tensor(sampled, device=processed.device)
+            probs, order = _filtered_probs(processed[rows], [states[i] for i in sampled])
+            dist = torch.zeros_like(probs, dtype=torch.float64).scatter_(1, order, probs.to(torch.float64))
+            out[rows] = dist / dist.sum(dim=-1, keepdim=True)
+        return out
+
+
 def plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing to apply to the logits and no logprobs to report."""
     return p.grammar is None and argmax_only(p)
@@ -360,15 +390,17 @@ def _apply_frequency_presence(logits: torch.Tensor, states: Sequence[SamplerStat
         logits.index_put_(index, torch.tensor(deltas, dtype=logits.dtype, device=device), accumulate=True)
 
 
-def _sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-    """Token ids [S] for non-greedy rows: temperature, top-k, top-p, min-p, one draw each."""
+def _filtered_probs(logits: torch.Tensor, states: Sequence[SamplerState]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-greedy rows' distributions after temperature, top-k, top-p and min-p, sorted
+    descending (stable: equal probabilities keep token-id order, as argmax does): (probs,
+    the token id of each sorted column). Filtered tokens have probability 0; rows are not
+    renormalized."""
     device = logits.device
     rows, vocab = logits.shape
     params = [s.params for s in states]
 
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
-    # Stable, so equal probabilities keep token-id order, as argmax does.
     probs, order = probs.sort(dim=-1, descending=True, stable=True)
     position = torch.arange(vocab, device=device)
 
@@ -390,7 +422,13 @@ def _sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.
         # Relative to the most likely token, which no earlier filter removes.
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
         probs = probs.masked_fill(probs < probs[:, :1] * min_p.unsqueeze(1), 0.0)
+    return probs, order
 
+
+def _sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+    """Token ids [S] for non-greedy rows: temperature, top-k, top-p, min-p, one draw each."""
+    device = logits.device
+    probs, order = _filtered_probs(logits, states)
     # Inverse CDF over the kept tokens: one uniform per row from that row's generator.
     uniform = torch.cat([s.draw() for s in states]).to(device)
     cdf = probs.to(torch.float64).cumsum(dim=-1)

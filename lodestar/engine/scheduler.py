@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in a step, and how many tokens each feeds.
 
 ``schedule`` takes the running sequences first, oldest request first, one decode token
-each (or the run of tokens a grammar forced, fed as one chunk); then it admits waiting
+each (or the run of tokens a grammar forced, fed as one chunk; or the last token and the
+request's speculative drafts, whose rows all return logits for verification; drafts
+that do not fit the budget or the free blocks are dropped first); then it admits waiting
 prompts in arrival order while the token budget and ``max_num_seqs`` allow. A prompt longer than what is left of the budget is fed in chunks
 over several steps (nothing is admitted behind it until it completes). A row whose next
 tokens need KV blocks when none is free preempts the newest request that holds blocks
@@ -38,7 +40,9 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)        # 1: a decode row; more: a prefill chunk
-    want_logits: list[bool] = field(default_factory=list)   # the row reaches its last known token
+    # logits wanted at the row's last tokens: 1 when it reaches its last known token, 1 + drafts
+    # for a verify run, 0 for a prefill chunk that stops short
+    want_logits: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -99,11 +103,17 @@ class Scheduler:
                 break
             if seq not in self.running:                             # preempted by an older one
                 continue
-            # one token, or more when a grammar forced some after the last sampled one
-            n = min(max(seq.num_tokens - seq.num_computed, 1), budget)
+            # one token, or more when a grammar forced some after the last sampled one, + drafts
+            base = min(max(seq.num_tokens - seq.num_computed, 1), budget)
+            if seq.draft_ids:
+                del seq.draft_ids[max(budget - base, 0):]
+            n = base + len(seq.draft_ids)
             if not self._reserve(seq, seq.num_computed + n, scheduled):
-                self._preempt(seq)
-                continue
+                seq.draft_ids.clear()
+                n = base
+                if not self._reserve(seq, seq.num_computed + n, scheduled):
+                    self._preempt(seq)
+                    continue
             batch.seqs.append(seq)
             batch.num_new.append(n)
             scheduled.add(seq.seq_id)
@@ -129,7 +139,10 @@ class Scheduler:
                 self.running.append(seq)
             else:
                 break                                 # chunked: the rest next step
-        batch.want_logits = [s.num_computed + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new)]
+        for seq in self.running:                      # drafts only ride along in this step
+            if seq.draft_ids and seq.seq_id not in scheduled:
+                seq.draft_ids.clear()
+        batch.want_logits = [max(s.num_computed + n - s.num_tokens + 1, 0) for s, n in zip(batch.seqs, batch.num_new)]
         return batch
 
     def can_continue(self, seqs: list[Sequence]) -> bool:
@@ -166,6 +179,10 @@ class Scheduler:
             seq.block_hashes.append(h)
             if self.pool.register(seq.block_table[j], h) and self.on_cached is not None:
                 self.on_cached(h, parent, tokens)
+
+    def admitting(self) -> bool:
+        """The next ``schedule`` may take (part of) a waiting prompt."""
+        return self._can_admit()
 
     # -- helpers -------------------------------------------------------------------
     def _can_admit(self) -> bool:
@@ -210,6 +227,7 @@ class Scheduler:
         """Free a request's KV; it waits again and recomputes (cheaply, from cached blocks)."""
         self.pool.free(seq.block_table)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        seq.draft_ids.clear()
         if seq in self.running:
             self.running.remove(seq)
         if seq not in self.waiting:

@@ -18,11 +18,13 @@ class Sequence:
     prompt_ids: list[int]
     params: Any                            # engine.sampling.SamplingParams
     output_ids: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)     # speculative tokens this step feeds after them
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0                  # tokens whose K/V are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None       # "stop" | "length" | "abort"
     sampler_state: Any = None
+    spec: Any = None                       # engine.spec.verify.SpecState of a speculating request
     detokenizer: Any = None
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of its full blocks
     cached_tokens: int = 0                 # prompt tokens reused from the prefix cache
@@ -41,7 +43,10 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output without building the whole list."""
+        """Tokens [start, end) of prompt + output (+ drafts past them) without building the whole list."""
+        n = self.num_tokens
+        if end > n:
+            return self.token_slice(start, n) + self.draft_ids[max(start - n, 0):end - n]
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]

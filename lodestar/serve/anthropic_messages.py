@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from lodestar.serve.chat_prompt import RenderedPrompt, render_chat
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
 from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, build_params,
-                                       resolve_max_tokens)
+                                       resolve_max_tokens, with_speculation)
 from lodestar.serve.openai_chat import select_tools
 from lodestar.serve.protocol import AnthropicMessage, MessagesCountRequest, MessagesRequest
 from lodestar.serve.sse import SSEResponse, sse_event
@@ -200,8 +200,8 @@ def _stop_reason(r: Result, user_stops: list[str]) -> tuple[str, str | None]:
 
 
 def _usage(r: Result) -> dict:
-    return {"input_tokens": r.prompt_tokens - r.cached_tokens, "output_tokens": r.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": r.cached_tokens}
+    return with_speculation({"input_tokens": r.prompt_tokens - r.cached_tokens, "output_tokens": r.completion_tokens,
+                             "cache_creation_input_tokens": 0, "cache_read_input_tokens": r.cached_tokens}, [r])
 
 
 def message_object(model: str, r: Result, user_stops: list[str]) -> dict:
@@ -306,7 +306,7 @@ async def create_message(body: MessagesRequest, request: Request):
         raise as_api_error(e, anthropic=True) from None
     params = build_params(ANTHROPIC_FIELDS, state.config.sampling_defaults, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           max_tokens=max_tokens, stop=user_stops + prompt.stop or None,
-                          grammar=grammar.spec if grammar else None)
+                          grammar=grammar.spec if grammar else None, speculate=body.speculate)
     spec = GenerationSpec(prompt.ids, params, names, grammar.in_reasoning if grammar else prompt.in_reasoning,
                           grammar=grammar)
     if body.stream:

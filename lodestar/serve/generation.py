@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from lodestar.engine.async_engine import QueueFullError
 from lodestar.engine.sampling import SamplingParams
+from lodestar.engine.spec import SpecStats
 from lodestar.serve.errors import APIError, prompt_too_long_error, sampling_error
 from lodestar.serve.reasoning import ReasoningParser, split_reasoning
 from lodestar.serve.state import ServeState
@@ -95,6 +96,7 @@ class Result:
     completion_tokens: int = 0
     cached_tokens: int = 0
     forced_tokens: int = 0                # output tokens the grammar forced (jump-forward, no sampling)
+    speculation: SpecStats | None = None  # drafts scored and accepted (None: the request did not speculate)
 
 
 @dataclass
@@ -120,6 +122,23 @@ def build_params(fields: dict[str, str], defaults: dict[str, Any] | None = None,
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise sampling_error(e, fields) from None
+
+
+def speculation_usage(results: list[Result]) -> dict | None:
+    """``usage.speculation`` of one or more choices (their counts summed), or None when none speculated."""
+    specs = [r.speculation for r in results if r.speculation is not None]
+    if not specs:
+        return None
+    return SpecStats(sum(s.drafted for s in specs), sum(s.accepted for s in specs),
+                     sum(s.verify_steps for s in specs), sum(s.emitted for s in specs)).to_dict()
+
+
+def with_speculation(usage: dict, results: list[Result]) -> dict:
+    """``usage`` with ``speculation`` added when a result speculated."""
+    spec = speculation_usage(results)
+    if spec is not None:
+        usage["speculation"] = spec
+    return usage
 
 
 def check_logit_bias(bias: dict | None, vocab_size: int, field_name: str = "logit_bias") -> dict[int, float]:
@@ -248,7 +267,8 @@ class Generation:
                 decode = (res.completion_tokens - 1) / (t_end - t_first)
             self.state.metrics.record_generation(res.prompt_tokens, res.completion_tokens, res.cached_tokens,
                                                  res.finish_reason, None if t_first is None else t_first - t0,
-                                                 decode, res.forced_tokens, grammar_label(spec.grammar))
+                                                 decode, res.forced_tokens, grammar_label(spec.grammar),
+                                                 res.speculation)
 
     async def run(self) -> Result:
         async for _ in self.events():
@@ -262,6 +282,8 @@ class Generation:
         res.prompt_tokens = out.prompt_tokens or res.prompt_tokens
         res.cached_tokens = max(res.cached_tokens, getattr(out, "cached_tokens", 0) or 0)
         res.forced_tokens = max(res.forced_tokens, getattr(out, "forced_tokens", 0) or 0)   # cumulative
+        if getattr(out, "speculation", None) is not None:
+            res.speculation = replace(out.speculation)    # cumulative; a copy, as the engine thread adds to its own
         text = out.text
         for tid in out.token_ids:                    # markup special tokens the detokenizer dropped
             piece = self.state.markup_ids.get(tid)

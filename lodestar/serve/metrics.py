@@ -9,6 +9,8 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+from lodestar.engine.spec import SpecStats
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DECODE_BUCKETS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 
@@ -55,6 +57,9 @@ class Metrics:
     cached_tokens: int = 0
     forced_tokens: int = 0
     constrained: Counter = field(default_factory=Counter)       # grammar kind -> finished requests
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_verify_steps: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     decode_speed: Histogram = field(default_factory=lambda: Histogram(DECODE_BUCKETS))
 
@@ -63,9 +68,16 @@ class Metrics:
 
     def record_generation(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                           finish_reason: str, ttft_s: float | None, decode_tok_s: float | None,
-                          forced_tokens: int = 0, grammar_kind: str | None = None) -> None:
+                          forced_tokens: int = 0, grammar_kind: str | None = None,
+                          speculation: SpecStats | None = None) -> None:
+        """One finished engine request; ``speculation`` is its ``engine.spec.SpecStats`` (None: it did not
+        speculate)."""
         self.prompt_tokens += prompt_tokens
         self.forced_tokens += forced_tokens
+        if speculation is not None:
+            self.spec_drafted += speculation.drafted
+            self.spec_accepted += speculation.accepted
+            self.spec_verify_steps += speculation.verify_steps
         if grammar_kind is not None:
             self.constrained[grammar_kind] += 1
         self.generation_tokens += completion_tokens
@@ -108,6 +120,15 @@ class Metrics:
         metric("lodestar_forced_tokens_total", "counter",
                "Output tokens a grammar forced (appended by jump-forward without sampling).",
                [f"lodestar_forced_tokens_total{{{m}}} {self.forced_tokens}"])
+        metric("lodestar_spec_drafted_tokens_total", "counter",
+               "Draft tokens the model scored in speculative verify steps (finished requests).",
+               [f"lodestar_spec_drafted_tokens_total{{{m}}} {self.spec_drafted}"])
+        metric("lodestar_spec_accepted_tokens_total", "counter",
+               "Draft tokens that entered the output; accepted / drafted is the acceptance rate.",
+               [f"lodestar_spec_accepted_tokens_total{{{m}}} {self.spec_accepted}"])
+        metric("lodestar_spec_verify_steps_total", "counter",
+               "Model steps that scored at least one draft token (finished requests).",
+               [f"lodestar_spec_verify_steps_total{{{m}}} {self.spec_verify_steps}"])
         metric("lodestar_grammar_mask_seconds_total", "counter", "Time the engine spent filling grammar token masks.",
                [f"lodestar_grammar_mask_seconds_total{{{m}}} {engine_stats.get('grammar_mask_ns', 0) / 1e9:.6f}"])
         metric("lodestar_grammar_mask_rows_total", "counter", "Grammar token masks filled (one per constrained row "

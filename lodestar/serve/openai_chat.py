@@ -13,7 +13,8 @@ from starlette.concurrency import run_in_threadpool
 from lodestar.serve.chat_prompt import render_chat
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
 from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, TokenLogprob,
-                                       build_params, check_logit_bias, resolve_max_tokens, run_all, stream_all)
+                                       build_params, check_logit_bias, resolve_max_tokens, run_all, stream_all,
+                                       with_speculation)
 from lodestar.serve.protocol import ChatCompletionRequest, ContentPart, NamedToolChoice
 from lodestar.serve.sse import DONE, KEEPALIVE, SSEResponse, sse_data
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
@@ -136,7 +137,8 @@ def prepare(state: ServeState, body: ChatCompletionRequest, warnings: RequestWar
         frequency_penalty=body.frequency_penalty,
         logit_bias=check_logit_bias(body.logit_bias, state.tokenizer.vocab_size), seed=body.seed,
         max_tokens=max_tokens, stop=stop + prompt.stop or None, ignore_eos=body.ignore_eos or None,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=grammar.spec if grammar else None)
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=grammar.spec if grammar else None,
+        speculate=body.speculate)
     in_reasoning = grammar.in_reasoning if grammar else prompt.in_reasoning
     specs = [GenerationSpec(prompt.ids, params if body.seed is None else replace(params, seed=body.seed + i),
                             names, in_reasoning, grammar=grammar) for i in range(body.n)]
@@ -155,10 +157,11 @@ def usage(state: ServeState, results: list[Result]) -> dict:
     completion = sum(r.completion_tokens for r in results)
     reasoning = sum(len(state.tokenizer.encode(r.reasoning, add_special_tokens=False)) for r in results
                     if r.reasoning)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens if results else 0},
-            "completion_tokens_details": {"reasoning_tokens": reasoning,
-                                          "forced_tokens": sum(r.forced_tokens for r in results)}}
+    return with_speculation(
+        {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+         "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens if results else 0},
+         "completion_tokens_details": {"reasoning_tokens": reasoning,
+                                       "forced_tokens": sum(r.forced_tokens for r in results)}}, results)
 
 
 def chat_response(state: ServeState, model: str, results: list[Result], want_logprobs: bool) -> dict:

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
 from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, TokenLogprob,
                                        build_params, check_logit_bias, check_prompt_ids, resolve_max_tokens, run_all,
-                                       stream_all)
+                                       stream_all, with_speculation)
 from lodestar.serve.protocol import CompletionRequest
 from lodestar.serve.sse import DONE, KEEPALIVE, SSEResponse, sse_data
 from lodestar.serve.state import ClientDisconnected, ServeState, get_state, until_disconnect
@@ -66,9 +66,10 @@ def completion_usage(prompts: list[list[int]], results: list[Result], n: int) ->
     prompt = sum(len(p) for p in prompts)
     completion = sum(r.completion_tokens for r in results)
     cached = sum(r.cached_tokens for r in results[::n])
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            "completion_tokens_details": {"forced_tokens": sum(r.forced_tokens for r in results)}}
+    return with_speculation(
+        {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+         "prompt_tokens_details": {"cached_tokens": cached},
+         "completion_tokens_details": {"forced_tokens": sum(r.forced_tokens for r in results)}}, results)
 
 
 @router.post("/v1/completions", summary="Create a text completion (OpenAI)")
@@ -99,7 +100,7 @@ async def create_completion(body: CompletionRequest, request: Request):
                 repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logit_bias=bias, seed=body.seed, max_tokens=max_tokens,
                 stop=stop or None, ignore_eos=body.ignore_eos or None, logprobs=body.logprobs,
-                grammar=content)
+                grammar=content, speculate=body.speculate)
             for j in range(n):
                 p = params if body.seed is None else replace(params, seed=body.seed + j)
                 specs.append(GenerationSpec(ids, p, parse_reasoning=False, grammar=grammar))

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from lodestar.serve.chat_prompt import render_chat
 from lodestar.serve.errors import APIError, as_api_error
 from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, build_params,
-                                       resolve_max_tokens)
+                                       resolve_max_tokens, with_speculation)
 from lodestar.serve.openai_chat import EFFORT_THINKING, logprob_entries, new_call_id, select_tools
 from lodestar.serve.protocol import ResponsesRequest
 from lodestar.serve.sse import SSEResponse, sse_event
@@ -236,11 +236,12 @@ def input_messages(body: ResponsesRequest, tools: ResponseTools, warnings: Reque
 # -- engine results -> wire ----------------------------------------------------------------
 def _usage(state: ServeState, r: Result) -> dict:
     reasoning = len(state.tokenizer.encode(r.reasoning, add_special_tokens=False)) if r.reasoning else 0
-    return {"input_tokens": r.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": r.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": r.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning, "forced_tokens": r.forced_tokens},
-            "total_tokens": r.prompt_tokens + r.completion_tokens}
+    return with_speculation({"input_tokens": r.prompt_tokens,
+                             "input_tokens_details": {"cached_tokens": r.cached_tokens, "cache_write_tokens": 0},
+                             "output_tokens": r.completion_tokens,
+                             "output_tokens_details": {"reasoning_tokens": reasoning,
+                                                       "forced_tokens": r.forced_tokens},
+                             "total_tokens": r.prompt_tokens + r.completion_tokens}, [r])
 
 
 def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
@@ -473,7 +474,7 @@ def prepare(state: ServeState, body: ResponsesRequest, warnings: RequestWarnings
     params = build_params({"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}, state.config.sampling_defaults,
                           temperature=body.temperature, top_p=body.top_p, max_tokens=max_tokens,
                           stop=prompt.stop or None, logprobs=body.top_logprobs,
-                          grammar=grammar.spec if grammar else None)
+                          grammar=grammar.spec if grammar else None, speculate=body.speculate)
     in_reasoning = grammar.in_reasoning if grammar else prompt.in_reasoning
     return GenerationSpec(prompt.ids, params, names, in_reasoning, grammar=grammar), tools
 

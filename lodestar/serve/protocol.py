@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from lodestar.engine.sampling import MAX_STOP_CHARS
 
@@ -18,6 +18,12 @@ StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 Stop = Union[StopString, StopList, None]
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+def speculate_field():
+    """Lodestar's per-request opt-out of speculative decoding (strict: ``"yes"`` is a 400, not true)."""
+    return Field(None, description="false: decode this request one token per step even when the server "
+                                   "speculates (--spec); the output is the same either way")
 
 
 class _Open(BaseModel):
@@ -107,6 +113,7 @@ class SamplingFields(_Open):
     guided_regex: str | None = Field(None, description="a regex the whole output matches")
     guided_choice: list[str] | None = Field(None, description="the output is one of these strings")
     guided_grammar: str | None = Field(None, description="a Lark (llguidance syntax) or GBNF grammar")
+    speculate: StrictBool | None = speculate_field()
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -157,6 +164,7 @@ class ResponsesRequest(_Open):
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    speculate: StrictBool | None = speculate_field()
 
 
 # -- Anthropic messages --------------------------------------------------------------------
@@ -191,3 +199,4 @@ class MessagesRequest(MessagesCountRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    speculate: StrictBool | None = speculate_field()
