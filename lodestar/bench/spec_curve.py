@@ -61,6 +61,9 @@ def load(model: str, dtype: str, device: str):
             raise ValueError(f"--model {model} is a synthetic geometry: --dtype names its file type, one of "
                              f"{', '.join(q.lower() for q in QTYPES)}")
         return load_model(f"synthetic:{model}:{qtype}", mode="packed", progress=False, device=device), "packed", qtype
+    if dtype.upper() in QTYPES and dtype.lower() != "bf16":     # bf16 is also a weight mode
+        raise ValueError(f"--dtype {dtype} is a file type, for a synthetic geometry (--model one of "
+                         f"{', '.join(GEOMETRIES)}); a model file takes a weight mode: packed, fp32 or bf16")
     loaded = load_model(None if model == "default" else model, mode=dtype, progress=False, device=device)
     return loaded, dtype, None
 
@@ -328,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if a.threads:
         torch.set_num_threads(a.threads)
-    loaded, mode, qtype = load(a.model, a.dtype, a.device)
+    try:
+        loaded, mode, qtype = load(a.model, a.dtype, a.device)
+    except (ValueError, FileNotFoundError) as e:     # a bad --dtype / --device, a model not found
+        p.error(str(e))
     doc = run(loaded, mode, qtype, a.device, rows, a.context, a.runs, a.steps, a.warmup, a.seed)
     print(table(doc))
     if a.json:

@@ -607,6 +607,8 @@ class LLMEngine:
             while sum(gammas) > spare and max(gammas) > 0:
                 j = gammas.index(max(gammas))
                 gammas[j] -= 1
+        if not self.config.spec.adaptive:
+            return gammas
         alphas = [s.spec.alpha for s in seqs]
         cost = self.runner.step_cost
         best, best_rate = 0, rows / cost(rows)

@@ -50,10 +50,11 @@ from lodestar.kernels.triton_step_inputs import stage_bytes, stage_views, take_i
 from lodestar.layers.attention import AttentionBatch, GpuAttentionMeta
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-# A CPU step's time grows by about this fraction of a one-row step per extra decode row (the
-# packed kernels read each weight once per call; attention runs row by row); measured by
-# ``python -m lodestar.bench.spec_curve --device cpu`` (docs/speculative-decoding.md)
-CPU_ROW_COST = 0.1
+# A CPU step's time grows by about this fraction of a one-row step per extra decode row
+# (attention runs row by row, the head runs on every row): 2 rows 1.18x, 4 rows 1.71x,
+# 8 rows 2.78x for the default model at context 512 on 2 cores
+# (bench/results/spec-curve-cpu-smollm2.json, ``python -m lodestar.bench.spec_curve --device cpu``)
+CPU_ROW_COST = 0.25
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 

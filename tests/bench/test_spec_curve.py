@@ -62,3 +62,10 @@ def test_rows_are_checked():
     for bad in ([0], [65]):
         with pytest.raises(ValueError, match="verify run has 1 to 64 rows"):
             sc.parse_rows(bad)
+
+
+def test_a_geometry_needs_a_file_type_and_a_file_a_weight_mode():
+    with pytest.raises(ValueError, match="--dtype names its file type"):
+        sc.load("llama-3.1-8b", "packed", "cpu")
+    with pytest.raises(ValueError, match="a model file takes a weight mode"):
+        sc.load("default", "q4_0", "cpu")
