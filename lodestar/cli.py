@@ -39,8 +39,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", choices=["ngram", "draft"], default=None,
                    help="draft tokens and verify them in one step: ngram (prompt lookup over the request's own "
                         "tokens) or draft (a smaller model, --draft-model); same output, fewer steps")
-    g.add_argument("--num-spec-tokens", type=int, default=8, metavar="N",
-                   help="most draft tokens per verify step (default 8; adaptive below that)")
+    g.add_argument("--num-spec-tokens", type=int, default=16, metavar="N",
+                   help="most draft tokens per verify step (default 16; adaptive below that)")
     g.add_argument("--draft-model", default=None, metavar="PATH|NAME",
                    help="with --spec draft: the draft model (same vocabulary as --model)")
     g.add_argument("--draft-dtype", default=None, choices=["packed", "fp32", "bf16"],

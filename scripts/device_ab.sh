@@ -80,7 +80,7 @@ case "${1:-}" in
       --junitxml="$OUT/pytest-spec.xml" tests/engine/test_spec_cuda.py tests/engine/test_grammar_cuda.py \
       tests/engine/test_cuda_exactness.py tests/engine/test_overlap.py tests/engine/test_spec_sampling.py \
       ${SPEC_TESTS:-} 2>&1 | tail -20 | tee "$OUT/pytest-spec.txt"
-    for n in ${SPEC_TOKENS:-4 8}; do
+    for n in ${SPEC_TOKENS:-8 16}; do
       PYTHONPATH="$PWD:$DEPS" timeout -k 10 ${BENCH_S:-150} $PY -m lodestar.cli bench spec --device cuda \
         --no-prefix-cache --num-spec-tokens $n --runs ${RUNS:-3} --json "$OUT/spec-h200-smollm2-g$n.json" 2>&1 \
         | tail -40 | tee -a "$OUT/spec.txt"

@@ -30,7 +30,7 @@ class SpecConfig:
     """
 
     method: str = "ngram"
-    num_spec_tokens: int = 8
+    num_spec_tokens: int = 16
     ngram_min: int = 2
     ngram_max: int = 5
     adaptive: bool = True
