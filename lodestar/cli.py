@@ -488,20 +488,15 @@ def sampling_defaults(a: argparse.Namespace, metadata: dict) -> dict:
     return out
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    api_key = a.api_key or os.environ.get("LODESTAR_API_KEY") or None
-    if not _is_loopback(a.host) and not api_key:
-        raise CLIError(f"refusing to serve on non-loopback address {a.host} without --api-key "
-                       "(or LODESTAR_API_KEY): anyone who can reach it could use the model")
-    spec = _spec_config(a)        # bad speculation flags and a busy port fail before the model loads
-    sock = _bind(a.host, a.port)
-
+def _served_app(a: argparse.Namespace, spec, api_key: str | None):
+    """The engine (on its own thread, warmed up) and the HTTP app over it, as `serve` runs them;
+    the agent serves the same app in-process."""
     import torch
-    import uvicorn
 
     from lodestar.engine.async_engine import AsyncLLMEngine
     from lodestar.engine.llm_engine import EngineConfig, LLMEngine
     from lodestar.serve import ServeConfig, build_app
+
     def build_engine() -> LLMEngine:  # runs on the engine thread, which then owns all tensor work
         if a.threads:
             torch.set_num_threads(a.threads)
@@ -526,7 +521,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     names = _served_names(a, loaded.path)
     config = ServeConfig(model_names=names, api_key=api_key, cors_origins=tuple(a.cors), keepalive_s=a.keepalive,
                          sampling_defaults=sampling_defaults(a, _metadata(loaded)))
-    app = build_app(aeng, config)
+    return aeng, loaded, names, build_app(aeng, config)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    api_key = a.api_key or os.environ.get("LODESTAR_API_KEY") or None
+    if not _is_loopback(a.host) and not api_key:
+        raise CLIError(f"refusing to serve on non-loopback address {a.host} without --api-key "
+                       "(or LODESTAR_API_KEY): anyone who can reach it could use the model")
+    spec = _spec_config(a)        # bad speculation flags and a busy port fail before the model loads
+    sock = _bind(a.host, a.port)
+
+    import uvicorn
+    aeng, loaded, names, app = _served_app(a, spec, api_key)
     host = f"[{a.host.strip('[]')}]" if ":" in a.host else a.host
     url = f"http://{host}:{sock.getsockname()[1]}"
 
@@ -565,12 +572,53 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+# -- agent ----------------------------------------------------------------------
+def _kv_identity(aeng) -> str | None:
+    """What a session's KV checkpoint depends on: model file, weight mode, KV dtype and shapes,
+    block size and context."""
+    disk = getattr(aeng.engine, "disk", None)
+    if disk is None:
+        return None
+    lay = disk.layout
+    return f"{lay.model_sha256}:{lay.mode}:{lay.dtype}:b{lay.block_size}:ctx{aeng.max_model_len}"
+
+
+def cmd_agent(a: argparse.Namespace) -> int:
+    from lodestar.agent import app as agent_app
+    from lodestar.agent.client import ChatClient
+    try:
+        if a.agent_command == "sessions":
+            return agent_app.list_sessions(a)
+        agent_app.check_args(a)
+        run = agent_app.run_loop if a.agent_command == "loop" else agent_app.run_agent
+        if a.base_url:
+            client = ChatClient(a.base_url, a.served_model, agent_app.env_api_key(a))
+            return run(a, agent_app.Connection(client, a.served_model or a.base_url, None))
+        spec = _spec_config(a)
+        if a.kv_dir is None:
+            a.kv_dir = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lodestar" / "kv")
+        from lodestar.serve import LocalServer
+        aeng, loaded, names, app = _served_app(a, spec, None)
+        server = None
+        try:
+            server = LocalServer(app).start()
+            client = ChatClient(server.base_url, names[0], transport=server.client_transport())
+            return run(a, agent_app.Connection(client, names[0], _kv_identity(aeng), aeng.max_model_len))
+        finally:
+            if server is not None:
+                server.stop()
+            aeng.shutdown()           # checkpoints running conversations to the disk tier
+            loaded.close()
+    except agent_app.AgentUsageError as e:
+        raise CLIError(str(e)) from None
+
+
 # -- bench ----------------------------------------------------------------------
 def cmd_bench(a: argparse.Namespace) -> int:
     import importlib
     module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http",
               "gguf-fuzz": "fuzz_gguf", "fuzz": "fuzz_http", "structured": "structured",
-              "spec": "spec"}[a.bench]
+              "spec": "spec", "agent": "agent"}[a.bench]
     if a.tensor_parallel != 1:
         from lodestar.engine.loader import TENSOR_PARALLEL_ENV
         if a.tensor_parallel < 1:
@@ -642,6 +690,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(s)
     s.set_defaults(func=cmd_serve)
 
+    def agent_args(p: argparse.ArgumentParser) -> None:
+        from lodestar.agent.app import add_agent_args
+        _add_model_args(p)
+        add_agent_args(p)
+        _add_spec_args(p)
+        p.set_defaults(func=cmd_agent, max_num_seqs=4, max_queued=64, served_model_name=[], cors=[],
+                       keepalive=2.0, top_p=None, top_k=None)
+
+    ag = sub.add_parser("agent", help="coding agent working in a project folder (interactive, -p PROMPT, "
+                        "loop, sessions)")
+    agent_args(ag)
+    ag.add_argument("-p", "--prompt", default=None, help="run one prompt non-interactively and exit "
+                    "('-' or a pipe reads stdin); risky calls need --allow rules")
+    ag.add_argument("--resume", nargs="?", const="last", default=None, metavar="ID",
+                    help="continue a stored session (default: the latest in this project)")
+    ag.set_defaults(agent_command=None)
+    agsub = ag.add_subparsers(dest="agent_command")
+    al = agsub.add_parser("loop", help="loop runs: rounds with a fresh context each, carrying a validated "
+                          "report, until done, blocked, failed or the limit")
+    agent_args(al)
+    al.add_argument("task", help="what to do")
+    al.add_argument("--rounds", type=int, default=5, help="most rounds (default 5)")
+    al.add_argument("--json", type=Path, default=None, help="write every round's report here")
+    asess = agsub.add_parser("sessions", help="list stored sessions (most recent first)")
+    asess.add_argument("--project", "-C", default=".", help="the project whose sessions to list (default .)")
+    asess.add_argument("--all", action="store_true", help="every project's sessions")
+    asess.add_argument("--limit", type=int, default=50)
+    asess.add_argument("--db", type=Path, default=None, help="session store")
+    asess.set_defaults(func=cmd_agent)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     bd = bsub.add_parser("decode", help="load time, prefill and decode speed (vs llama.cpp when installed)")
@@ -667,6 +745,12 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--runs", type=int, default=3)
     bc.add_argument("--json", type=Path, default=None)
     bc.set_defaults(func=cmd_bench)
+    bg = bsub.add_parser("agent", help="the coding agent's time to first token: cold, second turn, after a "
+                         "restart with and without the disk KV tier")
+    _add_model_args(bg)
+    bg.add_argument("--runs", type=int, default=3)
+    bg.add_argument("--json", type=Path, default=None)
+    bg.set_defaults(func=cmd_bench)
     bh = bsub.add_parser("http", help="HTTP server overhead: streamed tok/s and TTFT over HTTP vs the engine directly")
     _add_model_args(bh)
     bh.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8], help="concurrent clients per level")

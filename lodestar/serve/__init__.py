@@ -5,6 +5,7 @@
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (OpenAI),
 - ``POST /v1/messages``, ``POST /v1/messages/count_tokens`` (Anthropic),
 - ``GET /v1/models``, ``GET /v1/models/{id}`` (readable by both SDKs),
+- ``POST /tokenize`` (vLLM's shape: the token ids of a text prompt or of chat messages),
 - ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``, ``GET /docs``,
 - ``GET /`` (``static/index.html`` when present) and ``/static/*``.
 
@@ -13,6 +14,8 @@ Layout: one module per API translates its wire format to the neutral chat shape
 deltas (reasoning, content, tool-call start/arguments/end, keep-alive); ``tool_parsers``
 and ``reasoning`` read the model's own markup; ``structured`` turns output formats and
 forced tool calls into grammars; ``sse``, ``errors``, ``auth`` and ``metrics`` are shared. No module here touches tensors.
+``LocalServer`` (``local``) serves the app in-process on a Unix socket, for in-process clients such
+as the coding agent.
 
 Behaviour worth knowing:
 
@@ -40,6 +43,7 @@ Behaviour worth knowing:
   ``chat_template_kwargs`` and the ``guided_*`` fields on the OpenAI chat and completions routes.
 """
 from lodestar.serve.app import build_app
+from lodestar.serve.local import LocalServer
 from lodestar.serve.state import ServeConfig
 
-__all__ = ["build_app", "ServeConfig"]
+__all__ = ["build_app", "LocalServer", "ServeConfig"]

@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from lodestar.serve import anthropic_messages, openai_chat, openai_completions, openai_responses
+from lodestar.serve import anthropic_messages, openai_chat, openai_completions, openai_responses, tokenize
 from lodestar.serve.auth import APIKeyMiddleware
 from lodestar.serve.errors import APIError, as_api_error, error_response
 from lodestar.serve.generation import WARNING_HEADER
@@ -211,7 +211,7 @@ def build_app(engine, config: ServeConfig | None = None) -> FastAPI:
     app = FastAPI(title="lodestar", version="0.1.0",
                   description="Local LLM server speaking the OpenAI and Anthropic APIs.")
     app.state.serve = state
-    for module in (openai_chat, openai_completions, openai_responses, anthropic_messages):
+    for module in (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize):
         app.include_router(module.router)
 
     @app.get("/health", tags=["Server"], summary="Liveness and engine load")

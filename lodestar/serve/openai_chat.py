@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from lodestar.serve.chat_prompt import render_chat
+from lodestar.serve.chat_prompt import RenderedPrompt, render_chat
 from lodestar.serve.errors import APIError, as_api_error, sse_error_payload
 from lodestar.serve.generation import (Generation, GenerationSpec, RequestWarnings, Result, TokenLogprob,
                                        build_params, check_logit_bias, resolve_max_tokens, run_all, stream_all,
@@ -110,16 +110,29 @@ def thinking_flag(effort: str | None, template_kwargs: dict | None) -> bool | No
 CHAT_FIELDS = {"logprobs": "top_logprobs", "repetition_penalty": "repetition_penalty"}
 
 
+def render_request(state: ServeState, body, warnings: RequestWarnings, *, tokenizer=None,
+                   check_context: bool = True) -> tuple[RenderedPrompt, list[dict] | None, frozenset[str] | None]:
+    """(the prompt, the tools it declares, the tool names to parse) of a chat request.
+
+    ``body`` is a ``ChatCompletionRequest`` or any object with its ``messages``, ``tools``,
+    ``tool_choice``, ``reasoning_effort`` and ``chat_template_kwargs`` (``/tokenize`` renders
+    through here, so its count is the chat route's ``prompt_tokens``). ``tokenizer`` replaces
+    the engine's for the template call; ``check_context`` refuses text that cannot fit the context.
+    """
+    tools, names = select_tools(chat_tools(body, warnings), body.tool_choice)
+    check = (lambda text: state.check_prompt_text(text, "messages")) if check_context else None
+    prompt = render_chat(tokenizer or state.tokenizer, chat_messages(body), tools,
+                         enable_thinking=thinking_flag(body.reasoning_effort, body.chat_template_kwargs),
+                         template_kwargs=body.chat_template_kwargs, check_text=check)
+    return prompt, tools, names
+
+
 def prepare(state: ServeState, body: ChatCompletionRequest, warnings: RequestWarnings) -> list[GenerationSpec]:
     """Validate and render a chat request into one engine spec per choice."""
     state.check_model(body.model)
     state.check_rows(body.n, "n")
     content = openai_content_spec(body)
-    tools, names = select_tools(chat_tools(body, warnings), body.tool_choice)
-    prompt = render_chat(state.tokenizer, chat_messages(body), tools,
-                         enable_thinking=thinking_flag(body.reasoning_effort, body.chat_template_kwargs),
-                         template_kwargs=body.chat_template_kwargs,
-                         check_text=lambda text: state.check_prompt_text(text, "messages"))
+    prompt, tools, names = render_request(state, body, warnings)
     grammar = output_grammar(state.tokenizer, content, tools, tool_choice=body.tool_choice,
                              parallel=body.parallel_tool_calls, in_reasoning=prompt.in_reasoning, warnings=warnings)
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
