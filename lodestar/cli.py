@@ -400,7 +400,28 @@ def _describe(path: Path) -> tuple[str, str]:
 
 
 def cmd_models(a: argparse.Namespace) -> int:
+    from lodestar.formats.registry import ManifestError, RegistryError
+    command = getattr(a, "models_command", None)
+    try:
+        if command == "add":
+            return _models_add(a)
+        if command == "verify":
+            return _models_verify(a)
+        if command == "rm":
+            return _models_rm(a)
+        return _models_list()
+    except ValueError as e:
+        from lodestar.formats.safetensors import HFCheckpointError   # imports torch: only when needed
+        if isinstance(e, (RegistryError, ManifestError, HFCheckpointError)):
+            raise CLIError(str(e)) from None
+        raise
+
+
+def _models_list() -> int:
+    import datetime
+
     from lodestar.formats.catalog import KNOWN_MODELS, ModelNotFoundError, file_sha256, known_model_path, local_model_files
+    from lodestar.formats.registry import ModelRegistry, build_manifest, describe, manifest_digest
     rows = []
     seen = set()
     for name, km in KNOWN_MODELS.items():
@@ -413,6 +434,19 @@ def cmd_models(a: argparse.Namespace) -> int:
         arch, quant = _describe(path)
         rows.append((name, str(path), f"{path.stat().st_size / 1e6:.1f} MB", f"{arch} {quant}",
                      file_sha256(path), km.description))
+    for m in ModelRegistry().entries():
+        seen.add(m.path)
+        added = f"added {datetime.datetime.fromtimestamp(m.added):%Y-%m-%d %H:%M}"
+        if not m.path.exists():
+            rows.append((m.name, str(m.path), "-", "-", "-", f"{added}; missing (`lodestar models rm {m.name}`)"))
+            continue
+        try:
+            info = describe(m.path)
+            digest = file_sha256(m.path) if m.path.is_file() else manifest_digest(build_manifest(m.path))
+            rows.append((m.name, str(m.path), f"{info.size_bytes / 1e6:.1f} MB", f"{info.family} {info.quant}",
+                         digest, added))
+        except Exception as e:  # noqa: BLE001 -- a broken added model is listed, not fatal
+            rows.append((m.name, str(m.path), "-", f"unreadable: {e}", "-", added))
     for path in local_model_files():
         if path.resolve() in seen:
             continue
@@ -424,6 +458,56 @@ def cmd_models(a: argparse.Namespace) -> int:
                      file_sha256(path), "local"))
     for name, path, size, quant, sha, desc in rows:
         print(f"{name}\n  path:   {path}\n  size:   {size}\n  quant:  {quant}\n  sha256: {sha}\n  about:  {desc}")
+    return 0
+
+
+def _models_add(a: argparse.Namespace) -> int:
+    from lodestar.formats.registry import ModelRegistry, manifest_digest
+    from lodestar.serve.web.models_api import check_loadable
+    registry = ModelRegistry()
+    entry = registry.add(a.path, a.name, check=check_loadable)
+    digest = next(iter(entry.manifest.values())).sha256 if entry.kind == "gguf" else manifest_digest(entry.manifest)
+    print(f"added {entry.name}: {entry.path} ({entry.kind}, {len(entry.manifest)} file(s), sha256 {digest})\n"
+          f"  use it with --model {entry.name}; the registry is {registry.path}")
+    return 0
+
+
+def _models_verify(a: argparse.Namespace) -> int:
+    from lodestar.formats.registry import (FileDigest, ModelRegistry, expected_manifest, locate, read_manifest, verify,
+                                           write_manifest)
+    registry = ModelRegistry()
+    located = locate(a.model, registry)
+    if a.manifest is not None:
+        expected, source = read_manifest(a.manifest), str(a.manifest)
+    else:
+        expected, source = expected_manifest(located, registry)
+    result = verify(located.path, expected, source)
+    print(f"{located.name}: {located.path}")
+    for f in result.files:
+        print(f"  {f.status:<10} {f.path}  {f.sha256 or '-'}")
+    print(f"sha256:   {result.sha256}")
+    if a.write_manifest is not None:
+        write_manifest({f.path: FileDigest(f.sha256, f.size) for f in result.files if f.sha256 is not None},
+                       a.write_manifest)
+        print(f"wrote the manifest of these files to {a.write_manifest}")
+    if result.ok is None:
+        print("nothing to compare with: pass --manifest FILE (as `--write-manifest FILE` writes it)")
+        return 0
+    where = {"added": "the hashes taken when it was added", "known": "this known model's published hash"}
+    print(f"expected: {result.expected}  ({where.get(source, source)})")
+    bad = [f for f in result.files if f.status != "ok"]
+    if bad:
+        print(f"lodestar: error: {located.name}: {len(bad)} of {len(result.files)} files do not match "
+              f"({', '.join(f'{f.path} {f.status}' for f in bad[:3])})", file=sys.stderr)
+        return 1
+    print("ok: every file matches")
+    return 0
+
+
+def _models_rm(a: argparse.Namespace) -> int:
+    from lodestar.formats.registry import ModelRegistry
+    entry = ModelRegistry().remove(a.name)
+    print(f"removed {entry.name} from the registry; {entry.path} stays where it is")
     return 0
 
 
@@ -497,7 +581,7 @@ def _served_app(a: argparse.Namespace, spec, api_key: str | None):
     from lodestar.engine.llm_engine import EngineConfig, LLMEngine
     from lodestar.serve import ServeConfig, build_app
 
-    def build_engine() -> LLMEngine:  # runs on the engine thread, which then owns all tensor work
+    def build_engine(a: argparse.Namespace = a) -> LLMEngine:  # on the engine thread, which then owns all tensor work
         if a.threads:
             torch.set_num_threads(a.threads)
         cfg = EngineConfig(max_num_seqs=a.max_num_seqs, kv_dir=a.kv_dir, enable_prefix_cache=not a.no_prefix_cache,
@@ -520,8 +604,52 @@ def _served_app(a: argparse.Namespace, spec, api_key: str | None):
     loaded = aeng.engine.loaded
     names = _served_names(a, loaded.path)
     config = ServeConfig(model_names=names, api_key=api_key, cors_origins=tuple(a.cors), keepalive_s=a.keepalive,
-                         sampling_defaults=sampling_defaults(a, _metadata(loaded)))
-    return aeng, loaded, names, build_app(aeng, config)
+                         sampling_defaults=sampling_defaults(a, _metadata(loaded)), db_path=getattr(a, "db", None),
+                         projects=tuple(getattr(a, "projects", None) or ()))
+    app = build_app(aeng, config)
+    if getattr(a, "bench_results", None) is not None:
+        app.state.bench_results = a.bench_results
+    _enable_switching(app, a, aeng, build_engine)
+    return aeng, loaded, names, app
+
+
+def _enable_switching(app, a: argparse.Namespace, aeng, build_engine) -> None:
+    """Let POST /api/models/load serve another model, built with the same flags as the first."""
+    import copy
+
+    from lodestar.engine.async_engine import AsyncLLMEngine
+    from lodestar.serve.web.models_api import EngineFactory, enable_model_switching, release_engine
+    device = aeng.engine.loaded.device
+
+    def build(model: str) -> AsyncLLMEngine:
+        b = copy.copy(a)
+        b.model = model
+        return AsyncLLMEngine(lambda: build_engine(b), max_queued=a.max_queued)
+
+    def release(engine) -> None:
+        release_engine(engine)
+        if device.startswith("cuda"):
+            import torch
+            torch.cuda.empty_cache()     # hand the old model's blocks back before the next one allocates
+
+    def defaults(engine) -> dict:
+        try:
+            return sampling_defaults(a, _metadata(engine.engine.loaded))
+        except CLIError:                 # the new file's recommendation is out of range: the flags alone
+            return sampling_defaults(a, {})
+
+    enable_model_switching(app, EngineFactory(build, mode=a.dtype, device=device, context=a.ctx,
+                                              kv_tokens=aeng.engine.config.kv_tokens, sampling_defaults=defaults,
+                                              release=release))
+
+
+def _project_dirs(paths: list[Path] | None) -> tuple[Path, ...]:
+    out = []
+    for p in paths or ():
+        if not p.expanduser().is_dir():
+            raise CLIError(f"--projects {p}: not a folder")
+        out.append(p.expanduser().resolve())
+    return tuple(out)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -530,10 +658,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise CLIError(f"refusing to serve on non-loopback address {a.host} without --api-key "
                        "(or LODESTAR_API_KEY): anyone who can reach it could use the model")
     spec = _spec_config(a)        # bad speculation flags and a busy port fail before the model loads
+    a.projects = _project_dirs(a.projects)
+    if a.bench_results is not None and not a.bench_results.is_dir():
+        raise CLIError(f"--bench-results {a.bench_results}: not a folder")
     sock = _bind(a.host, a.port)
 
     import uvicorn
     aeng, loaded, names, app = _served_app(a, spec, api_key)
+    slot = app.state.serve.engine       # the served engine; POST /api/models/load replaces it
     host = f"[{a.host.strip('[]')}]" if ":" in a.host else a.host
     url = f"http://{host}:{sock.getsockname()[1]}"
 
@@ -549,7 +681,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         async def on_tick(self, counter: int) -> bool:
             # An engine that stopped (a tensor-parallel worker died, the model failed) serves no
             # one: its streams got the error already; stop instead of answering 503 forever.
-            if aeng.error is not None:
+            if slot.current is not None and slot.current.error is not None:
                 return True
             return await super().on_tick(counter)
 
@@ -562,13 +694,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it handled; the shutdown was clean
         pass
     finally:
-        aeng.shutdown()
-        loaded.close()
+        served = slot.current
+        if served is not None:
+            served.shutdown()
+            served.engine.loaded.close()
         sock.close()
-    if aeng.error is not None:
+    error = served.error if served is not None else None
+    if error is not None:
         from lodestar.engine.faults import ModelFaultError
-        print(f"lodestar: error: engine stopped: {aeng.error}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(aeng.error, ModelFaultError) else 1
+        print(f"lodestar: error: engine stopped: {error}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(error, ModelFaultError) else 1
     return 0
 
 
@@ -618,7 +753,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import importlib
     module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http",
               "gguf-fuzz": "fuzz_gguf", "fuzz": "fuzz_http", "structured": "structured",
-              "spec": "spec", "agent": "agent"}[a.bench]
+              "spec": "spec", "agent": "agent", "report": "report"}[a.bench]
     if a.tensor_parallel != 1:
         from lodestar.engine.loader import TENSOR_PARALLEL_ENV
         if a.tensor_parallel < 1:
@@ -660,8 +795,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(c)
     c.set_defaults(func=cmd_chat)
 
-    m = sub.add_parser("models", help="list known and local models")
-    m.set_defaults(func=cmd_models)
+    m = sub.add_parser("models", help="list known, added and local models; add, verify or remove one")
+    m.set_defaults(func=cmd_models, models_command=None)
+    msub = m.add_subparsers(dest="models_command")
+    ma = msub.add_parser("add", help="record a GGUF file or Hugging Face folder under a name (the files stay where "
+                         "they are; their SHA-256 is taken now, for verify)")
+    ma.add_argument("path", help="a .gguf file or a folder with config.json, *.safetensors and tokenizer.json")
+    ma.add_argument("--name", default=None, help="the name to use with --model (default: the file stem or folder name)")
+    mv = msub.add_parser("verify", help="check a model's files against a manifest, the hashes taken when it was "
+                         "added, or a known model's published hash (exit 1 when one differs)")
+    mv.add_argument("model", metavar="NAME|PATH")
+    mv.add_argument("--manifest", type=Path, default=None, metavar="FILE",
+                    help='JSON {"files": {"relative/path": {"sha256": ..., "size": ...}}}')
+    mv.add_argument("--write-manifest", type=Path, default=None, metavar="FILE",
+                    help="write the manifest of the files as they are now to FILE")
+    mr = msub.add_parser("rm", help="forget an added model (its files are not touched)")
+    mr.add_argument("name")
 
     s = sub.add_parser("serve", help="HTTP server speaking the OpenAI and Anthropic APIs")
     _add_model_args(s)
@@ -684,6 +833,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="top-k for requests that set none (default: the model file's general.sampling.top_k, else off)")
     s.add_argument("--keepalive", type=float, default=2.0,
                    help="seconds between SSE keep-alive comments while no token arrives (default 2)")
+    s.add_argument("--db", type=Path, default=None,
+                   help="the web app's store of conversations and agent sessions (default "
+                        "~/.local/share/lodestar/agent.db, shared with lodestar agent)")
+    s.add_argument("--projects", type=Path, nargs="+", default=[], metavar="DIR",
+                   help="folders the web app's agent may work in (none: the agent routes answer 403)")
+    s.add_argument("--bench-results", type=Path, default=None, metavar="DIR",
+                   help="benchmark result JSONs that GET /report shows (default: the checkout's bench/results)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level: info (default) logs requests the server changed and long prefills' "
                         "progress; debug adds one access line per request")
@@ -810,6 +966,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "request that opted out drafted")
     bp.add_argument("--json", "--out", dest="json", type=Path, default=None, help="write results as JSON here")
     bp.set_defaults(func=cmd_bench)
+    br = bsub.add_parser("report", help="one self-contained HTML page (tables, charts, failures) from every "
+                         "result JSON under a folder")
+    br.add_argument("dir", type=Path, help="folder of result JSON files (searched recursively), e.g. bench/results")
+    br.add_argument("-o", "--output", type=Path, default=Path("report.html"), help="HTML file to write "
+                    "(default report.html)")
+    br.set_defaults(func=cmd_bench, tensor_parallel=1)
     bz = bsub.add_parser("fuzz", help="hostile and malformed HTTP requests against a local server: no 5xx, no "
                          "hang, memory and latency back where they started")
     _add_fuzz_args(bz, "model to serve", 10_000, "requests to send", "a request")

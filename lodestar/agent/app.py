@@ -93,7 +93,8 @@ def open_store(a: argparse.Namespace) -> AgentStore:
         raise AgentUsageError(str(e)) from None
 
 
-def list_sessions(a: argparse.Namespace, out=sys.stdout) -> int:
+def list_sessions(a: argparse.Namespace, out=None) -> int:
+    out = out or sys.stdout
     store = open_store(a)
     try:
         project = None if a.all else str(project_root(a.project))

@@ -1,4 +1,6 @@
-"""The agent's sessions and their messages, kept in one SQLite file (stdlib ``sqlite3``).
+"""The agent's sessions and the web app's chat conversations, with their messages, kept in
+one SQLite file (stdlib ``sqlite3``). A session's ``kind`` tells them apart: ``agent`` (a
+project folder, tools) or ``chat`` (no project; its generation ``settings`` as JSON).
 
 A damaged or foreign file is refused with a `StoreError` and never written to: the
 checks (`PRAGMA quick_check`, schema version) run before any pragma or statement that
@@ -22,6 +24,7 @@ from typing import Any, Self
 
 ROLES = ("system", "user", "assistant", "tool", "marker")
 MODES = ("read-only", "ask", "auto")
+KINDS = ("agent", "chat")          # a coding-agent session in a project, or a plain chat (project '')
 TITLE_CHARS = 60
 BUSY_TIMEOUT_MS = 5000
 
@@ -58,6 +61,11 @@ MIGRATIONS: list[str] = [
         UNIQUE (session_id, seq)
     );
     """,
+    """
+    ALTER TABLE sessions ADD COLUMN kind TEXT NOT NULL DEFAULT 'agent';
+    ALTER TABLE sessions ADD COLUMN settings TEXT;
+    CREATE INDEX sessions_by_kind ON sessions (kind, last_used);
+    """,
 ]
 SCHEMA_VERSION: int = len(MIGRATIONS)
 
@@ -85,6 +93,8 @@ class SessionInfo:
     last_used: float
     kv_identity: str | None
     message_count: int
+    kind: str = "agent"
+    settings: dict | None = None   # a chat's generation settings (JSON object), None when never set
 
 
 @dataclass
@@ -108,7 +118,7 @@ class StoredMessage:
 
 _SESSION_COLUMNS = (
     "s.id, s.project, s.model, s.mode, s.title, s.created, s.last_used, s.kv_identity, "
-    "(SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id)"
+    "(SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id), s.kind, s.settings"
 )
 _MESSAGE_COLUMNS = (
     "id, session_id, seq, role, content, tool_calls, tool_call_id, name, tokens_in, "
@@ -124,6 +134,17 @@ def _title_from(prompt: str) -> str:
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown permission mode {mode!r}; use one of {', '.join(MODES)}")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown session kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def _like_pattern(text: str) -> str:
+    """A LIKE pattern matching ``text`` anywhere, its own ``%``, ``_`` and ``\\`` taken literally."""
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
 
 
 def _to_json(value: Any) -> str | None:
@@ -276,7 +297,8 @@ class AgentStore:
 
     @staticmethod
     def _session_row(row: tuple) -> SessionInfo:
-        return SessionInfo(*row)
+        *fields, settings = row
+        return SessionInfo(*fields, settings=_from_json(settings))
 
     @staticmethod
     def _message_row(row: tuple) -> StoredMessage:
@@ -296,9 +318,17 @@ class AgentStore:
 
     # -- sessions -------------------------------------------------------------------
 
-    def create_session(self, project: str, model: str, mode: str) -> SessionInfo:
+    def create_session(self, project: str, model: str, mode: str, *, kind: str = "agent",
+                       settings: dict | None = None, title: str = "") -> SessionInfo:
+        """A new session. An agent session belongs to ``project`` (stored as its real path);
+        a chat session belongs to no project and must be given ``project=""``."""
         _check_mode(mode)
-        project = os.path.realpath(project)
+        _check_kind(kind)
+        if kind == "chat":
+            if project:
+                raise ValueError(f"a chat session belongs to no project; pass project='' (got {project!r})")
+        else:
+            project = os.path.realpath(project)
         now = time.time()
         with self._use(write=True) as conn:
             while True:   # 8 hex chars: a clash is rare, but cheap to rule out
@@ -306,11 +336,11 @@ class AgentStore:
                 if conn.execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:
                     break
             conn.execute(
-                "INSERT INTO sessions (id, project, model, mode, title, created, last_used) "
-                "VALUES (?, ?, ?, ?, '', ?, ?)",
-                (session_id, project, model, mode, now, now),
+                "INSERT INTO sessions (id, project, model, mode, title, created, last_used, kind, settings) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (session_id, project, model, mode, title, now, now, kind, _to_json(settings)),
             )
-        return SessionInfo(session_id, project, model, mode, "", now, now, None, 0)
+        return SessionInfo(session_id, project, model, mode, title, now, now, None, 0, kind, settings)
 
     def session(self, id_or_prefix: str) -> SessionInfo:
         """The session whose id is ``id_or_prefix`` or the only one that starts with it."""
@@ -332,14 +362,34 @@ class AgentStore:
             raise StoreError(f"ambiguous prefix {id_or_prefix}: {ids}; give more characters")
         return self._session_row(rows[0])
 
-    def sessions(self, project: str | None = None, limit: int = 50) -> list[SessionInfo]:
-        """Sessions, most recently used first; only those of ``project`` when given."""
-        where, args = "", []
+    def find_session(self, id: str) -> SessionInfo | None:
+        """The session whose id is exactly ``id``, or None (no prefixes: for callers given a full id)."""
+        with self._use() as conn:
+            row = conn.execute(f"SELECT {_SESSION_COLUMNS} FROM sessions s WHERE s.id = ?", (id,)).fetchone()
+        return None if row is None else self._session_row(row)
+
+    def sessions(self, project: str | None = None, limit: int = 50, *, kind: str | None = "agent",
+                 query: str | None = None) -> list[SessionInfo]:
+        """Sessions of ``kind`` (None: every kind), most recently used first; only those of
+        ``project`` when given; only those whose title or any message contains ``query``
+        (case-insensitive for ASCII letters) when given."""
+        where, args = [], []
+        if kind is not None:
+            _check_kind(kind)
+            where.append("s.kind = ?")
+            args.append(kind)
         if project is not None:
-            where, args = "WHERE s.project = ?", [os.path.realpath(project)]
+            where.append("s.project = ?")
+            args.append(os.path.realpath(project) if project else project)
+        if query:
+            pattern = _like_pattern(query)
+            where.append("(s.title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m "
+                         "WHERE m.session_id = s.id AND m.content LIKE ? ESCAPE '\\'))")
+            args += [pattern, pattern]
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
         with self._use() as conn:
             rows = conn.execute(
-                f"SELECT {_SESSION_COLUMNS} FROM sessions s {where} "
+                f"SELECT {_SESSION_COLUMNS} FROM sessions s {clause} "
                 "ORDER BY s.last_used DESC, s.created DESC, s.rowid DESC LIMIT ?",
                 (*args, limit),
             ).fetchall()
@@ -350,9 +400,10 @@ class AgentStore:
         return found[0] if found else None
 
     def update_session(self, id: str, *, mode: str | None = None, model: str | None = None,
-                       kv_identity: str | None = None, title: str | None = None) -> None:
-        """Change the given fields (None leaves one as is; ``kv_identity=""`` clears it).
-        Always marks the session as just used."""
+                       kv_identity: str | None = None, title: str | None = None,
+                       settings: dict | None = None) -> None:
+        """Change the given fields (None leaves one as is; ``kv_identity=""`` clears it;
+        ``settings`` replaces the whole object). Always marks the session as just used."""
         changes: dict[str, Any] = {"last_used": time.time()}
         if mode is not None:
             _check_mode(mode)
@@ -363,6 +414,8 @@ class AgentStore:
             changes["kv_identity"] = kv_identity or None
         if title is not None:
             changes["title"] = title
+        if settings is not None:
+            changes["settings"] = _to_json(settings)
         assignments = ", ".join(f"{column} = ?" for column in changes)
         with self._use(write=True) as conn:
             self._require(conn, id)
@@ -419,6 +472,15 @@ class AgentStore:
                 (session_id, since_seq),
             ).fetchall()
         return [self._message_row(r) for r in rows]
+
+    def delete_messages_from(self, session_id: str, seq: int) -> int:
+        """Remove the session's messages with ``seq >= seq`` (an edited or regenerated turn and
+        everything after it); the next message added takes the lowest free seq. Returns how many went."""
+        with self._use(write=True) as conn:
+            self._require(conn, session_id)
+            cursor = conn.execute("DELETE FROM messages WHERE session_id = ? AND seq >= ?", (session_id, seq))
+            conn.execute("UPDATE sessions SET last_used = ? WHERE id = ?", (time.time(), session_id))
+        return cursor.rowcount
 
     def add_marker(self, session_id: str, summary: str, upto_seq: int) -> StoredMessage:
         """Record a compaction: ``summary`` stands for every message with ``seq <= upto_seq``."""

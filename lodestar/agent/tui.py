@@ -48,8 +48,8 @@ class PlainFrontend(Frontend):
     """Streams the reply to ``out`` and notes tool calls on ``err``; approvals follow the
     rules only (non-interactive runs deny what they do not allow)."""
 
-    def __init__(self, out: TextIO = sys.stdout, err: TextIO = sys.stderr, verbose: bool = True) -> None:
-        self.out, self.err, self.verbose = out, err, verbose
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None, verbose: bool = True) -> None:
+        self.out, self.err, self.verbose = out or sys.stdout, err or sys.stderr, verbose
         self._open = False
 
     def delta(self, kind: str, text: str) -> None:

@@ -88,19 +88,32 @@ def _sha256(path: Path, desc: str | None = None) -> str:
     return h.hexdigest()
 
 
-def file_sha256(path: str | Path) -> str:
-    """SHA-256 of a file, cached in a ``.sha256`` sidecar keyed by size and mtime."""
-    path = Path(path)
+def _hash_sidecar(path: Path) -> tuple[Path, str]:
+    """Where a file's cached SHA-256 lives, and the key (size, mtime) it is valid for."""
     st = path.stat()
-    key = f"{st.st_size}:{st.st_mtime_ns}"
     sidecar = models_dir() / "hashes" / (hashlib.sha1(str(path.resolve()).encode()).hexdigest() + ".sha256")
+    return sidecar, f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def cached_file_sha256(path: str | Path) -> str | None:
+    """The SHA-256 ``file_sha256`` computed before, if the file has not changed since; never hashes."""
     try:
+        sidecar, key = _hash_sidecar(Path(path))
         cached_key, digest = sidecar.read_text().split()
-        if cached_key == key:
-            return digest
     except (OSError, ValueError):
-        pass
-    digest = _sha256(path, desc=f"hashing {path.name}" if st.st_size > 64 << 20 else None)
+        return None
+    return digest if cached_key == key else None
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file, cached in a ``.sha256`` sidecar keyed by path, size and mtime."""
+    path = Path(path)
+    digest = cached_file_sha256(path)
+    if digest is not None:
+        return digest
+    sidecar, key = _hash_sidecar(path)
+    size = path.stat().st_size
+    digest = _sha256(path, desc=f"hashing {path.name}" if size > 64 << 20 else None)
     try:
         sidecar.parent.mkdir(parents=True, exist_ok=True)
         sidecar.write_text(f"{key} {digest}\n")
@@ -162,6 +175,9 @@ def resolve_model_path(spec: str | os.PathLike | None) -> Path:
     path = Path(text).expanduser()
     if path.is_file():
         return path
+    added = _added_model_path(text)
+    if added is not None:
+        return added
     local = models_dir() / text
     if local.is_file():
         return local
@@ -171,6 +187,24 @@ def resolve_model_path(spec: str | os.PathLike | None) -> Path:
         f"model {text!r} not found: give a GGUF file path or one of "
         f"{', '.join(list(ALIASES) + list(KNOWN_MODELS))}"
     )
+
+
+def _added_model_path(name: str) -> Path | None:
+    """The GGUF file ``lodestar models add`` recorded under ``name`` (None: no such name)."""
+    from lodestar.formats.registry import ModelRegistry, RegistryError  # it imports this module
+    try:
+        added = ModelRegistry().get(name)
+    except RegistryError as e:
+        raise ModelNotFoundError(str(e)) from None
+    if added is None:
+        return None
+    if added.path.is_file():
+        return added.path
+    if added.path.is_dir():
+        raise ModelNotFoundError(f"model {name!r} is the Hugging Face folder {added.path}: pass the folder's path "
+                                 "instead of its name")
+    raise ModelNotFoundError(f"model {name!r} was added from {added.path}, which no longer exists: add it again "
+                             f"(`lodestar models add PATH --name {name}`) or forget it (`lodestar models rm {name}`)")
 
 
 def local_model_files() -> list[Path]:

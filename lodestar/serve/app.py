@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import sys
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,11 +20,11 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from lodestar.serve import anthropic_messages, openai_chat, openai_completions, openai_responses, tokenize
+from lodestar.serve import anthropic_messages, openai_chat, openai_completions, openai_responses, tokenize, web
 from lodestar.serve.auth import APIKeyMiddleware
 from lodestar.serve.errors import APIError, as_api_error, error_response
 from lodestar.serve.generation import WARNING_HEADER
-from lodestar.serve.metrics import grammar_stats
+from lodestar.serve.metrics import REQUEST_SCOPE, grammar_stats
 from lodestar.serve.state import ClientDisconnected, ServeConfig, ServeState, get_state
 
 PLACEHOLDER_PAGE = """<!doctype html>
@@ -168,9 +169,11 @@ class MetricsMiddleware:
                 status = message["status"]
             await send(message)
 
+        token = REQUEST_SCOPE.set(scope)     # finished generations name their route from it
         try:
             await self.app(scope, receive, send_status)
         finally:
+            REQUEST_SCOPE.reset(token)
             route = scope.get("route")
             self.state.metrics.record_request(getattr(route, "path", None) or "other", status)
 
@@ -208,10 +211,18 @@ def build_app(engine, config: ServeConfig | None = None) -> FastAPI:
     config = config or ServeConfig()
     _log_to_stderr()
     state = ServeState(engine, config)
-    app = FastAPI(title="lodestar", version="0.1.0",
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            state.close_store()
+
+    app = FastAPI(title="lodestar", version="0.1.0", lifespan=lifespan,
                   description="Local LLM server speaking the OpenAI and Anthropic APIs.")
     app.state.serve = state
-    for module in (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize):
+    for module in (openai_chat, openai_completions, openai_responses, anthropic_messages, tokenize, web):
         app.include_router(module.router)
 
     @app.get("/health", tags=["Server"], summary="Liveness and engine load")

@@ -1,4 +1,4 @@
-"""API-key check for ``/v1/*``, ``/tokenize`` and ``/metrics`` (``/health``, the web page and the OpenAPI document stay open).
+"""API-key check for ``/v1/*``, ``/api/*``, ``/tokenize``, ``/report`` and ``/metrics`` (``/health``, the web page and the OpenAPI document stay open).
 
 OpenAI routes take ``Authorization: Bearer KEY``; Anthropic routes take ``x-api-key: KEY``
 or the Bearer header. CORS preflight requests pass, so browsers can ask first.
@@ -9,7 +9,7 @@ import hmac
 
 from lodestar.serve.errors import APIError, error_response, is_anthropic_path
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/metrics")
+PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/metrics", "/report")
 
 
 def presented_key(path: str, headers: dict[str, str]) -> str | None:

@@ -18,6 +18,7 @@ from lodestar.engine.async_engine import QueueFullError
 from lodestar.engine.sampling import SamplingParams
 from lodestar.engine.spec import SpecStats
 from lodestar.serve.errors import APIError, prompt_too_long_error, sampling_error
+from lodestar.serve.metrics import request_route
 from lodestar.serve.reasoning import ReasoningParser, split_reasoning
 from lodestar.serve.state import ServeState
 from lodestar.serve.structured import OutputGrammar, grammar_label
@@ -223,7 +224,7 @@ class Generation:
         """Deltas as they become final (streaming), or nothing (non-streaming); ``result`` is set at the end."""
         engine, spec, res = self.state.engine, self.spec, self.result
         agen = engine.generate(spec.prompt_ids, spec.params)
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         t_first: float | None = None
         last_sent = t0                   # the last event the client got (keep-alives count)
         nxt: asyncio.Future | None = asyncio.ensure_future(agen.__anext__())
@@ -245,6 +246,7 @@ class Generation:
                 last_sent = time.perf_counter()
                 if t_first is None:
                     t_first = last_sent
+                self.state.metrics.record_tokens(len(out.token_ids))
                 for delta in self._accept(out):
                     yield delta
                 if out.finished:
@@ -268,7 +270,8 @@ class Generation:
             self.state.metrics.record_generation(res.prompt_tokens, res.completion_tokens, res.cached_tokens,
                                                  res.finish_reason, None if t_first is None else t_first - t0,
                                                  decode, res.forced_tokens, grammar_label(spec.grammar),
-                                                 res.speculation)
+                                                 res.speculation, route=request_route(),
+                                                 model=self.state.model_id, started=started)
 
     async def run(self) -> Result:
         async for _ in self.events():

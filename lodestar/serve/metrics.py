@@ -1,4 +1,5 @@
-"""Prometheus text exposition of the server's counters, engine gauges and latency histograms.
+"""Prometheus text exposition of the server's counters, engine gauges and latency histograms,
+plus the recent finished requests and the live decode rate the web dashboard reads (``/api/stats``).
 
 Written by hand (the format is a few lines of text) so the server needs no client
 library. Everything is updated from the event loop, so no locks.
@@ -6,13 +7,30 @@ library. Everything is updated from the event loop, so no locks.
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+import time
+from collections import Counter, deque
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from lodestar.engine.spec import SpecStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DECODE_BUCKETS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+RECENT_REQUESTS = 100         # finished requests kept for the dashboard's table
+RATE_WINDOW_S = 5.0           # the live decode rate counts tokens streamed in this many seconds
+
+# The ASGI scope of the HTTP request being served (set by the app's MetricsMiddleware): a
+# finished generation names its route from it, so API modules need not pass the route along.
+# A ContextVar, not shared state: each request's task sees only its own scope.
+REQUEST_SCOPE: ContextVar[dict | None] = ContextVar("lodestar_request_scope", default=None)
+
+
+def request_route() -> str:
+    """The route template ("/v1/chat/completions") of the request being served, or "" outside one."""
+    scope = REQUEST_SCOPE.get()
+    if scope is None:
+        return ""
+    return getattr(scope.get("route"), "path", None) or scope.get("path", "")
 
 
 @dataclass
@@ -44,6 +62,48 @@ class Histogram:
         return out
 
 
+@dataclass
+class FinishedRequest:
+    """One finished engine request, as the dashboard's request table shows it."""
+
+    id: int                          # order of finishing since the server started
+    route: str                       # "" when it did not come over HTTP
+    model: str
+    started: float                   # Unix time of submission
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None            # None: no token came
+    decode_tok_s: float | None       # None: fewer than two tokens
+    finish_reason: str
+    spec_acceptance: float | None    # accepted / drafted; None: no draft was scored
+
+
+@dataclass
+class TokenRate:
+    """Tokens per second over the last ``window_s`` seconds, fed as tokens stream out (not when
+    requests finish, so a long generation shows up while it runs)."""
+
+    window_s: float = RATE_WINDOW_S
+    events: deque = field(default_factory=deque)    # (monotonic time, tokens)
+    total: int = 0                                  # tokens in ``events``
+
+    def add(self, tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.events.append((now, tokens))
+        self.total += tokens
+        self._drop_before(now - self.window_s)
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._drop_before(now - self.window_s)
+        return self.total / self.window_s
+
+    def _drop_before(self, cutoff: float) -> None:
+        while self.events and self.events[0][0] < cutoff:
+            self.total -= self.events.popleft()[1]
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -62,6 +122,9 @@ class Metrics:
     spec_verify_steps: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     decode_speed: Histogram = field(default_factory=lambda: Histogram(DECODE_BUCKETS))
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))   # FinishedRequest, oldest first
+    decode_rate: TokenRate = field(default_factory=TokenRate)
+    finished_count: int = 0
 
     def record_request(self, route: str, status: int) -> None:
         self.requests[(route, str(status))] += 1
@@ -69,9 +132,10 @@ class Metrics:
     def record_generation(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                           finish_reason: str, ttft_s: float | None, decode_tok_s: float | None,
                           forced_tokens: int = 0, grammar_kind: str | None = None,
-                          speculation: SpecStats | None = None) -> None:
+                          speculation: SpecStats | None = None, *, route: str = "", model: str = "",
+                          started: float | None = None) -> None:
         """One finished engine request; ``speculation`` is its ``engine.spec.SpecStats`` (None: it did not
-        speculate)."""
+        speculate); ``started`` is its Unix submission time (None: now)."""
         self.prompt_tokens += prompt_tokens
         self.forced_tokens += forced_tokens
         if speculation is not None:
@@ -87,6 +151,18 @@ class Metrics:
             self.ttft.observe(ttft_s)
         if decode_tok_s is not None:
             self.decode_speed.observe(decode_tok_s)
+        self.finished_count += 1
+        acceptance = speculation.accepted / speculation.drafted if speculation is not None and speculation.drafted \
+            else None
+        self.recent.append(FinishedRequest(
+            self.finished_count, route, model, time.time() if started is None else started, prompt_tokens,
+            cached_tokens, completion_tokens, None if ttft_s is None else ttft_s * 1000.0, decode_tok_s,
+            finish_reason, acceptance))
+
+    def record_tokens(self, tokens: int) -> None:
+        """Output tokens that just streamed out (the live decode rate)."""
+        if tokens:
+            self.decode_rate.add(tokens)
 
     def render(self, engine_stats: dict, model: str) -> str:
         m = f'model="{_escape(model)}"'

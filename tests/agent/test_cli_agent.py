@@ -16,7 +16,7 @@ def test_prompt_then_resume_after_restart_reads_the_checkpoint(tmp_path, smollm_
     project.mkdir()
     (project / "calc.py").write_text("def add(a, b):\n    return a + b\n")
     common = ["--project", str(project), "--db", str(db), "--kv-dir", str(kv), "--model", str(smollm_path),
-              "--max-tokens", "8", "--ctx", "4096", "--threads", "2", "--temperature", "0"]
+              "--max-tokens", "8", "--ctx", "2048", "--threads", "2", "--temperature", "0", "--tools", "read,list"]
     assert main(["agent", "-p", "What does calc.py do?", *common]) == 0
     first = capsys.readouterr().err
     sid = re.search(r"\[session (\w+) ", first).group(1)

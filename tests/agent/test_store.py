@@ -293,3 +293,125 @@ def test_damaged_file_is_refused_and_left_as_is(db, kind):
 def test_unopenable_path_says_what_to_do(tmp_path):
     with pytest.raises(StoreError, match="--db PATH"):
         AgentStore(tmp_path)          # a folder, not a file
+
+
+# The schema of version 1 as it shipped; a real v1 file is built from it, not from MIGRATIONS.
+V1_SCHEMA = """
+CREATE TABLE sessions (
+    id TEXT PRIMARY KEY, project TEXT NOT NULL, model TEXT NOT NULL, mode TEXT NOT NULL,
+    title TEXT NOT NULL DEFAULT '', created REAL NOT NULL, last_used REAL NOT NULL, kv_identity TEXT
+);
+CREATE INDEX sessions_by_project ON sessions (project, last_used);
+CREATE TABLE messages (
+    id INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL, tool_calls TEXT, tool_call_id TEXT,
+    name TEXT, tokens_in INTEGER NOT NULL DEFAULT 0, tokens_cached INTEGER NOT NULL DEFAULT 0,
+    tokens_out INTEGER NOT NULL DEFAULT 0, duration_ms INTEGER NOT NULL DEFAULT 0, approval TEXT,
+    meta TEXT, created REAL NOT NULL, UNIQUE (session_id, seq)
+);
+"""
+
+
+def _v1_file(db):
+    db.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(db)
+    conn.executescript(V1_SCHEMA)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO sessions VALUES ('abcd1234', '/proj', 'smollm2', 'ask', 'fix it', 1.0, 2.0, 'kv-1')")
+    conn.execute("INSERT INTO messages (session_id, seq, role, content, tokens_in, meta, created) "
+                 "VALUES ('abcd1234', 1, 'user', 'fix it', 0, NULL, 1.5)")
+    conn.execute("INSERT INTO messages (session_id, seq, role, content, tokens_in, meta, created) "
+                 "VALUES ('abcd1234', 2, 'assistant', 'done', 42, '{\"k\": 1}', 1.7)")
+    conn.commit()
+    conn.close()
+
+
+def test_v1_file_is_migrated_keeping_every_session_and_message(db):
+    _v1_file(db)
+    store = AgentStore(db)
+    try:
+        old = store.session("abcd1234")
+        assert (old.kind, old.settings, old.title, old.kv_identity, old.message_count) == \
+            ("agent", None, "fix it", "kv-1", 2)
+        got = store.messages("abcd1234")
+        assert [(m.role, m.content, m.tokens_in, m.meta) for m in got] == \
+            [("user", "fix it", 0, None), ("assistant", "done", 42, {"k": 1})]
+        assert [s.id for s in store.sessions("/proj")] == ["abcd1234"]
+        chat = store.create_session("", "m", "read-only", kind="chat", settings={"temperature": 0.5})
+        assert store.session(chat.id).settings == {"temperature": 0.5}
+    finally:
+        store.close()
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(sessions)")]
+    assert columns[-2:] == ["kind", "settings"]
+
+
+def test_chat_sessions_are_kept_apart_from_agent_sessions(store, db):
+    agent = store.create_session("/p", "m", "ask")
+    chat = store.create_session("", "m", "read-only", kind="chat", settings={"system": "be brief"}, title="Mine")
+    assert (chat.project, chat.kind, chat.settings, chat.title) == ("", "chat", {"system": "be brief"}, "Mine")
+    assert [s.id for s in store.sessions()] == [agent.id]             # agent listings never show chats
+    assert [s.id for s in store.sessions(kind="chat")] == [chat.id]
+    assert {s.id for s in store.sessions(kind=None)} == {agent.id, chat.id}
+    assert store.latest("/p").id == agent.id
+    assert store.find_session(chat.id) == chat
+    assert store.find_session(chat.id[:4]) is None                   # exact ids only, no prefixes
+    store.add_message(chat.id, "user", "first question")
+    assert store.session(chat.id).title == "Mine"                     # a given title stays
+    store.update_session(chat.id, settings={"temperature": 0.2})      # replaces the whole object
+    store.update_session(chat.id, title="Renamed")                    # leaves settings alone
+    again = AgentStore(db)
+    try:
+        got = again.session(chat.id)
+        assert (got.kind, got.settings, got.title, got.project) == ("chat", {"temperature": 0.2}, "Renamed", "")
+    finally:
+        again.close()
+    with pytest.raises(ValueError, match="project=''"):
+        store.create_session("/p", "m", "ask", kind="chat")
+    with pytest.raises(ValueError, match="agent, chat"):
+        store.create_session("/p", "m", "ask", kind="notes")
+    with pytest.raises(ValueError, match="agent, chat"):
+        store.sessions(kind="notes")
+
+
+def test_search_finds_titles_and_message_text_and_takes_wildcards_literally(store):
+    def chat(title, *texts):
+        s = store.create_session("", "m", "read-only", kind="chat", title=title)
+        for t in texts:
+            store.add_message(s.id, "user", t)
+        return s.id
+
+    by_title = chat("Trip to Lisbon", "plan a route")
+    by_text = chat("Untitled", "what is 100% of x?")
+    underscore = chat("snake_case names")
+    plain = chat("snakeXcase names", "nothing here")
+    agent = store.create_session("/p", "m", "ask")
+    store.add_message(agent.id, "user", "lisbon is also here")
+
+    def found(q):
+        return {s.id for s in store.sessions(kind="chat", query=q)}
+
+    assert found("lisbon") == {by_title}                   # case-insensitive; agent sessions left out
+    assert found("100%") == {by_text}
+    assert found("%") == {by_text}                         # % is a character, not "anything"
+    assert found("e_c") == {underscore}                    # _ is a character, not "any one"
+    assert found("\\") == set()
+    assert found("") == {by_title, by_text, underscore, plain}
+    assert {s.id for s in store.sessions(kind=None, query="LISBON")} == {by_title, agent.id}
+
+
+def test_delete_messages_from_drops_that_turn_and_everything_after(store):
+    s = store.create_session("", "m", "read-only", kind="chat")
+    other = store.create_session("", "m", "read-only", kind="chat")
+    for i in range(1, 6):
+        store.add_message(s.id, "user" if i % 2 else "assistant", f"m{i}")
+    store.add_message(other.id, "user", "untouched")
+    assert store.delete_messages_from(s.id, 3) == 3
+    assert [(m.seq, m.content) for m in store.messages(s.id)] == [(1, "m1"), (2, "m2")]
+    assert store.add_message(s.id, "user", "edited").seq == 3          # seq continues where it was cut
+    assert store.delete_messages_from(s.id, 99) == 0
+    assert [m.content for m in store.messages(other.id)] == ["untouched"]
+    with pytest.raises(StoreError, match="no session"):
+        store.delete_messages_from("missing", 1)
