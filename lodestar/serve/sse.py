@@ -34,8 +34,17 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content, status_code: int = 200, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, content, status_code: int = 200, headers: dict[str, str] | None = None,
+                 release=None) -> None:
         super().__init__(content, status_code, {**SSE_HEADERS, **(headers or {})})
+        self._release = release          # called once the response has ended, however it ended
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._release is not None:
+                self._release()
 
     async def stream_response(self, send) -> None:
         try:

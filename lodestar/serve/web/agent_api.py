@@ -530,7 +530,7 @@ async def events(session_id: str, request: Request):
         raise APIError(503, "The server is shutting down.", code="shutting_down")
     run = workspace.run_for(info.id)
     q = run.frontend.attach()           # attached now: the client sees every event after this answer starts
-    return _EventsResponse(_event_stream(q, state.config.keepalive_s), release=lambda: run.frontend.detach(q))
+    return SSEResponse(_event_stream(q, state.config.keepalive_s), release=lambda: run.frontend.detach(q))
 
 
 @router.post("/agent/sessions/{session_id}/approve", summary="Answer a pending approval")
@@ -569,17 +569,3 @@ async def _event_stream(q: asyncio.Queue, keepalive_s: float):
                                                  "reload the session (GET) and attach again"})
             return
         yield item
-
-
-class _EventsResponse(SSEResponse):
-    """The events stream; its listener is detached however the stream ends."""
-
-    def __init__(self, content, release) -> None:
-        super().__init__(content)
-        self._release = release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Literal
 
 import anyio
@@ -253,22 +253,8 @@ async def send_message(conversation_id: str, body: SendBody, request: Request):
     except BaseException:
         replying.discard(conversation_id)
         raise
-    return _ReplyResponse(_reply_events(store, conversation_id, gen),
-                          release=lambda: replying.discard(conversation_id), headers=warnings.headers())
-
-
-class _ReplyResponse(SSEResponse):
-    """The reply stream; the conversation takes a new message again once it has ended, however it ended."""
-
-    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], headers: dict[str, str]) -> None:
-        super().__init__(content, headers=headers)
-        self._release = release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
+    return SSEResponse(_reply_events(store, conversation_id, gen),
+                       release=lambda: replying.discard(conversation_id), headers=warnings.headers())
 
 
 async def _reply_events(store: AgentStore, conversation_id: str, gen: Generation) -> AsyncIterator[str]:
