@@ -6,7 +6,11 @@ STAMP  := $(VENV)/.lodestar-installed
 
 .PHONY: run test install clean-venv
 
-$(STAMP): pyproject.toml Makefile
+NATIVE := setup.py $(wildcard lodestar/kernels/native/*.c lodestar/kernels/native/*.h)
+
+# pip builds the compiled CPU kernels (setup.py) with the machine's C compiler; without one
+# the install still succeeds and the pure-torch kernels run.
+$(STAMP): pyproject.toml Makefile $(NATIVE)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first, pinned: a looser spec would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0

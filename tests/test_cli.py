@@ -24,6 +24,17 @@ def test_generate_streams_text_and_stats(smollm_path):
     assert "tok/s" in r.stderr and "tok/s" not in r.stdout
 
 
+def test_generate_without_the_compiled_kernels_gives_the_same_text(smollm_path):
+    # LODESTAR_NATIVE=0: the pure-torch forms a machine without a C compiler runs (the same
+    # bits for the matrix products; norms, activations and attention differ in the last bits).
+    args = ("generate", "-p", "List three colors:", "-n", "12", "--threads", "1", "-q")
+    native = run(*args)
+    fallback = subprocess.run(LODESTAR + list(args), capture_output=True, text=True, timeout=240,
+                              env={**ENV, "LODESTAR_NATIVE": "0"})
+    assert native.returncode == 0 and fallback.returncode == 0, native.stderr + fallback.stderr
+    assert fallback.stdout == native.stdout and native.stdout.strip()
+
+
 def test_generate_raw_gemma(gemma_path):
     r = run("generate", "-p", "The capital of France is", "--model", "gemma3-270m", "-n", "8", "-q")
     assert r.returncode == 0, r.stderr

@@ -10,7 +10,7 @@ Empty blocks are handed out in runs of consecutive ids where possible: a sequenc
 grows asks for the blocks right after its last one, and a new sequence starts halfway
 into the longest run of empty blocks, leaving room for the sequence before it to grow.
 A sequence whose blocks are consecutive reads its context on the CPU as one slice of
-the KV tensors (``AttentionBatch._seq_plans``) instead of a gather. Only speed depends
+the KV tensors (``AttentionBatch._plans``) instead of a gather. Only speed depends
 on the placement: attention gives the same bits either way.
 """
 from __future__ import annotations

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from lodestar.formats.catalog import resolve_model_path
 from lodestar.formats.config import ModelConfig
 from lodestar.formats.gguf import GGUFError, GGUFFile
+from lodestar.formats.registry import added_folder
 from lodestar.kernels.policy import KernelPolicy, active, install
 from lodestar.models import WEIGHT_MODES, CheckpointError, UnsupportedArchitectureError, build_model, validate
 from lodestar.tokenizer import Tokenizer, TokenizerError
@@ -65,6 +66,8 @@ def open_checkpoint(spec: str | Path | None, device: str | torch.device = "cpu")
     if parse_spec(spec) is not None:
         return Path(str(spec)), SyntheticCheckpoint.from_spec(str(spec), device)
     folder = Path(str(spec)).expanduser() if spec is not None else None
+    if folder is not None and not folder.exists():
+        folder = added_folder(str(spec))
     if folder is not None and folder.is_dir():
         from lodestar.formats.safetensors import HFCheckpoint
         return folder, HFCheckpoint(folder)

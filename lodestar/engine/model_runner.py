@@ -395,7 +395,8 @@ class ModelRunner:
             ids.extend(s.token_slice(s.num_computed, s.num_computed + n))
         batch = AttentionBatch.build([s.block_table for s in seqs],
                                      [s.num_computed + n for s, n in zip(seqs, num_new)],
-                                     num_new, self.pool.block_size)
+                                     num_new, self.pool.block_size,
+                                     stepwise=[_decoded_run(s, n) for s, n in zip(seqs, num_new)])
         batch.gpu = self._gpu_meta(batch)
         ids_t = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         positions = batch.positions().to(self.device, non_blocking=True)

@@ -446,6 +446,15 @@ class ModelRegistry:
 
 
 # -- resolving a name -------------------------------------------------------------------------
+def added_folder(name: str) -> Path | None:
+    """The Hugging Face folder ``lodestar models add`` recorded under ``name`` (None: no such
+    name, or the name is a GGUF file's, which ``catalog.resolve_model_path`` finds)."""
+    if not NAME_PATTERN.fullmatch(name):
+        return None
+    added = ModelRegistry().get(name)
+    return added.path if added is not None and added.kind == "hf" else None
+
+
 @dataclass(frozen=True)
 class Located:
     name: str       # what the model is called (known name, added name, or the file's stem)

@@ -3,10 +3,15 @@
 Every forward sees one flattened batch: the new tokens of all sequences laid end to end
 (``query_start_loc`` marks where each sequence's tokens begin). Keys and values live in a
 pool of fixed-size blocks; ``slot_mapping`` says where each new token's K/V goes and
-``block_tables`` says which blocks hold each sequence's context. The CPU path runs one SDPA
-per sequence (so a sequence's result does not depend on the batch around it) over its
-context: a slice of the KV tensors when its blocks are consecutive (``BlockPool`` hands
-them out that way where it can), else a gather of its blocks. Both give the same bits.
+``block_tables`` says which blocks hold each sequence's context. On the CPU a sequence's
+decoded tokens (one per decode step, a grammar's forced run, speculative drafts) attend row
+by row, each row over its positions up to its own, exactly as the decode
+step of that token would; the compiled kernel (``cpu_ops.attend``) does all such rows in one
+call, reading the paged cache in place, else each row is one SDPA call. A longer run (a
+prompt chunk) is one SDPA call for the sequence, whose rows' last bits depend on the chunk
+(SDPA's blocking follows its row count). Either way a sequence's result does not depend on
+the other sequences of the batch. Contexts are a slice of the KV tensors when the blocks are
+consecutive, else a gather of the blocks; both give the same bits.
 
 On a CUDA device the batch also carries ``gpu`` (``GpuAttentionMeta``: device copies of
 the slots, block tables and lengths) and attention goes to
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from lodestar.kernels import cpu_ops
 from lodestar.kernels import triton_attention as ta
 from lodestar.kernels.policy import active
 from lodestar.kernels.quant_layout import GROUP, QuantizedRows, quantizable
@@ -51,9 +57,8 @@ class AttentionBatch:
     query_lens_list: list[int]
     _cache: dict = field(default_factory=dict, repr=False)
     gpu: GpuAttentionMeta | None = None
-    # CPU: sequences whose new tokens attend one row at a time, each as the decode step of that
-    # token would (the same SDPA call), so feeding several decoded tokens at once (tokens a
-    # grammar forced, speculative drafts) gives the bits of feeding them one step each
+    # CPU: sequences whose new tokens are decoded ones (tokens a grammar forced, speculative
+    # drafts): they attend one row at a time, each as the decode step of that token would
     stepwise: list[bool] | None = None
 
     @classmethod
@@ -132,26 +137,25 @@ class AttentionBatch:
         self._cache[key] = m
         return m
 
-    def _seq_plans(self, sliding_window: int | None) -> list[dict]:
-        """Per-sequence CPU attention plans (rows of q, context slots, mask), shared by layers.
+    def _plans(self, sliding_window: int | None) -> list[dict]:
+        """CPU attention plans shared by the layers of a step: one per query row of a sequence
+        that attends row by row (``row_by_row``), one per sequence otherwise (a prompt chunk).
 
         ``context`` is a (start, end) slice of the pool when the sequence's blocks are
         consecutive, else the sequence's block ids (gathered whole, then cut to length).
         """
-        key = ("seq_plans", sliding_window)
-        if key in self._cache:
-            return self._cache[key]
-        plans = []
-        starts = self.query_start_loc.tolist()
-        for i, (lk, lq) in enumerate(zip(self.seq_lens_list, self.query_lens_list)):
-            if self.stepwise is not None and self.stepwise[i]:
-                plans += [self._seq_plan(i, starts[i] + r, lk - lq + r + 1, 1, sliding_window) for r in range(lq)]
-            else:
-                plans.append(self._seq_plan(i, starts[i], lk, lq, sliding_window))
-        self._cache[key] = plans
-        return plans
+        key = ("plans", sliding_window)
+        if key not in self._cache:
+            starts, plans = self.query_start_loc.tolist(), []
+            for i, (lk, lq) in enumerate(zip(self.seq_lens_list, self.query_lens_list)):
+                if self.row_by_row(i):
+                    plans += [self._plan_of(i, starts[i] + r, lk - lq + r + 1, 1, sliding_window) for r in range(lq)]
+                else:
+                    plans.append(self._plan_of(i, starts[i], lk, lq, sliding_window))
+            self._cache[key] = plans
+        return self._cache[key]
 
-    def _seq_plan(self, i: int, first: int, lk: int, lq: int, sliding_window: int | None) -> dict:
+    def _plan_of(self, i: int, first: int, lk: int, lq: int, sliding_window: int | None) -> dict:
         """Plan of ``lq`` query rows from ``first`` of sequence ``i`` over its first ``lk`` slots."""
         bs = self.block_size
         nb = -(-lk // bs)
@@ -170,6 +174,33 @@ class AttentionBatch:
                 mask = mask & (qp - kp < sliding_window)
             mask = mask[None, None]
         return {"rows": (first, first + lq), "context": context, "mask": mask, "len": lk, "block_size": bs}
+
+    def query_rows(self, sliding_window: int | None) -> tuple[torch.Tensor, ...] | None:
+        """The rows that attend one by one as int64 (row, sequence, context length, first
+        visible position) for ``cpu_ops.attend``; None when there are none."""
+        key = ("query_rows", sliding_window)
+        if key not in self._cache:
+            rows, seqs, lens, first = [], [], [], []
+            for i, (lk, lq) in enumerate(zip(self.seq_lens_list, self.query_lens_list)):
+                if not self.row_by_row(i):
+                    continue
+                start = int(self.query_start_loc[i])
+                for r in range(lq):
+                    n = lk - lq + r + 1
+                    rows.append(start + r), seqs.append(i), lens.append(n)
+                    first.append(max(0, n - sliding_window) if sliding_window is not None else 0)
+            self._cache[key] = (tuple(torch.tensor(c, dtype=torch.int64) for c in (rows, seqs, lens, first))
+                                if rows else None)
+        return self._cache[key]
+
+    def row_by_row(self, i: int) -> bool:
+        """Sequence ``i``'s new tokens attend one row at a time: one new token, or decoded ones."""
+        return self.query_lens_list[i] == 1 or (self.stepwise is not None and self.stepwise[i])
+
+    @property
+    def rows_attend_alone(self) -> bool:
+        """Every sequence of the step attends row by row (decode steps, forced runs, drafts)."""
+        return all(self.row_by_row(i) for i in range(self.num_seqs))
 
 
 def _positions(seq_lens: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -199,23 +230,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if batch.gpu is not None:
         return _gpu_attention(q, k_cache, v_cache, batch, scale, sliding_window, quantize)
-    plans = batch._seq_plans(sliding_window)
+    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[2], dtype=q.dtype)
+    rows = batch.query_rows(sliding_window)
+    native = rows is not None and cpu_ops.attend(q, k_cache, v_cache, out, scale, *rows, batch.block_tables,
+                                                  batch.block_size)
     q = q.contiguous()
-    if len(plans) == 1:
-        return _attend_one(q, k_cache, v_cache, plans[0], scale)[0].transpose(0, 1)
-    outs = [_attend_one(q, k_cache, v_cache, plan, scale) for plan in plans]
-    return torch.cat(outs, dim=2)[0].transpose(0, 1)              # [T, Hq, Dv]
+    for plan in batch._plans(sliding_window):
+        a, b = plan["rows"]
+        if b - a == 1 and native:
+            continue
+        out[a:b] = _attend_one(q, k_cache, v_cache, plan, scale)[0].transpose(0, 1)
+    return out
 
 
 def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: dict,
                 scale: float) -> torch.Tensor:
-    """One sequence's attention: its rows of ``q [T, Hq, D]`` -> ``[1, Hq, Lq, Dv]``.
+    """One plan's attention: its rows of ``q [T, Hq, D]`` -> ``[1, Hq, Lq, Dv]``.
 
-    Every sequence goes through here with shapes and strides that depend on that sequence
-    alone, so its result is bit-identical whichever other sequences share the step
-    (one SDPA call over several sequences is not: its rows differ in the last bits).
-    Views are made with ``as_strided`` (one op each): this loop runs sequences x layers
-    times per step.
+    Every plan goes through here with shapes and strides that depend on that plan alone, so
+    its result is bit-identical whichever other sequences share the step (one SDPA call over
+    several sequences is not: its rows differ in the last bits). Views are made with
+    ``as_strided`` (one op each): this loop runs plans x layers times per step.
     """
     a, b = plan["rows"]
     hq, d = q.shape[1], q.shape[2]

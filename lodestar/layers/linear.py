@@ -4,20 +4,19 @@
 number of rows M, so that a row's result never depends on the batch it came in
 (ARCHITECTURE.md section 4; see ``lodestar.kernels.cpu_quant`` for the packed forms):
 
-=======================  ===========================  ============================
-weight type              kernel (every M)             with dense_min_m, M >= it
-=======================  ===========================  ============================
-Q4_0, Q4_1, Q4_K         int4, bf16 activations       dequantize to bf16, bf16 mm
-Q8_0, Q5_0, Q5_1, Q6_K   int8 x int8 per sub-block    dequantize to bf16, bf16 mm
-F32                      fp32 matmul on the bytes     same
-F16, BF16, Q2/3/5_K      dequantize tiles, fp32 mm    same
-=======================  ===========================  ============================
+==============================  ============================  =========================
+weight type                     kernel (every M)              with dense_min_m, M >= it
+==============================  ============================  =========================
+Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,   int8 x per 32 values, exact   dequantize to bf16,
+Q6_K, Q8_0                      integer block dot products    bf16 mm
+F32                             fp32 matmul on the bytes      same
+F16, BF16, Q2/3/5_K             dequantize tiles, fp32 mm     same
+==============================  ============================  =========================
 
 ``dense_min_m`` (off by default) sends calls of at least that many rows to
-dequantize-then-bf16-matmul: about 2x faster at M = 1024 on SmolLM2's projections, but
-those rows round differently from the kernel's, so a prompt's logits would then depend
-on how the scheduler batched it. The exact fp32 types are batch-dependent anyway in the
-last bits (MKL's GEMM blocking depends on M).
+dequantize-then-bf16-matmul; those rows round differently from the kernel's, so a
+prompt's logits would then depend on how the scheduler batched it. The exact fp32 types
+are batch-dependent anyway in the last bits (MKL's GEMM blocking depends on M).
 
 ``make_linear``/``make_embedding`` build the packed modules (``mode="packed"``) or dense
 ones holding the weight dequantized at load (``"fp32"``, ``"bf16"``).
@@ -32,13 +31,6 @@ from torch import nn
 from lodestar.kernels import cpu_quant as cq
 
 T = GGMLQuantizationType
-
-# Where dequantize-then-bf16-matmul overtakes the kernels (scripts/bench_linear.py
-# --sweep): int4 at M ~ 90 on SmolLM2's projections with one thread, 130-190 with two;
-# int8 at M ~ 40 on the 49152-row head. A sensible dense_min_m when batch-invariance is
-# not needed.
-INT4_CROSSOVER_M = 192
-INT8_CROSSOVER_M = 40
 
 MODES = ("packed", "fp32", "bf16")
 
@@ -63,12 +55,9 @@ class QuantizedLinear(nn.Module):
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
         cq.check_bytes(qtype, data, out_features, in_features)
         self.storage = _pack(qtype, data, out_features, in_features)
-        if isinstance(self.storage, cq.Int4Weight):
-            self.path = "int4"
-            self._small, self._large = cq.int4_matmul, cq.int4_dense_matmul
-        elif isinstance(self.storage, cq.Int8Weight):
-            self.path = "int8"
-            self._small, self._large = cq.int8_matmul, cq.int8_dense_matmul
+        if isinstance(self.storage, cq.IntWeight):
+            self.path = "native" if self.storage.native else "int"
+            self._small, self._large = cq.int_matmul, cq.int_dense_matmul
         else:
             self.path = "fp32" if qtype == T.F32 else "dequant"
             self._small = self._large = self._dequant_matmul
@@ -101,22 +90,13 @@ class QuantizedLinear(nn.Module):
                                lambda r0, r1: cq.dequantize(storage[r0:r1], self.qtype, (r1 - r0, k)))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of W as float32 ``[len(ids), in_features]``, exactly as gguf.
-
-        Not available for the int4 form, whose bf16 scales are not exact.
-        """
+        """Rows ``ids`` of W as float32 ``[len(ids), in_features]``, exactly as gguf."""
         s = self.storage
-        if isinstance(s, cq.Int8Weight):
-            return cq.int8_rows(s, ids)
-        if isinstance(s, cq.Int4Weight):
-            raise TypeError("int4-packed weights have no exact rows; keep the GGUF bytes for lookups")
+        if isinstance(s, cq.IntWeight):
+            return cq.int_rows(s, ids)
         if self.qtype in cq.FLOAT_TYPES:
             return s.index_select(0, ids).float()
         return cq.dequantize(s.index_select(0, ids), self.qtype, (ids.numel(), self.in_features))
-
-    @property
-    def rows_exact(self) -> bool:
-        return not isinstance(self.storage, cq.Int4Weight)
 
     def extra_repr(self) -> str:
         return (f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, "
@@ -124,10 +104,8 @@ class QuantizedLinear(nn.Module):
 
 
 def _pack(qtype: GGMLQuantizationType, data: torch.Tensor, n: int, k: int):
-    if qtype in cq.INT4_TYPES:
-        return cq.int4_pack(qtype, data, n, k)
-    if qtype in cq.INT8_TYPES:
-        return cq.int8_pack(qtype, data, n, k)
+    if qtype in cq.INT_TYPES:
+        return cq.int_pack(qtype, data, n, k)
     if qtype in cq.FLOAT_TYPES:
         return cq.float_view(qtype, data, n, k)
     return data
@@ -137,10 +115,8 @@ class QuantizedEmbedding(nn.Module):
     """Token embedding over GGUF bytes ``[num_embeddings, bytes_per_row]``.
 
     ``forward(ids)`` dequantizes only the gathered rows, bit-identical to gguf.
-    ``as_linear()`` returns the tied output head. For the int8 types (Q8_0, Q5_0, Q5_1,
-    Q6_K) and the byte-kept ones the head and the table then share one storage and the
-    GGUF bytes are released; an int4 head keeps the GGUF bytes beside it because its
-    bf16 scales cannot give exact rows.
+    ``as_linear()`` returns the tied output head; the head and the table then share one
+    storage (its rows are gguf's, bit for bit) and the GGUF bytes are released.
     """
 
     def __init__(self, qtype: GGMLQuantizationType | int, data: torch.Tensor,
@@ -167,8 +143,7 @@ class QuantizedEmbedding(nn.Module):
         """The same table as a ``[dim -> num_embeddings]`` linear (tied output head)."""
         if self._head is None:
             self._head = QuantizedLinear(self.qtype, self.data, self.dim, self.num_embeddings)
-            if self._head.rows_exact:
-                self.data = None
+            self.data = None        # every packed form gives gguf's rows
         return self._head
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lodestar.kernels import cpu_ops
 from lodestar.kernels.triton_dense import PendingNorm
 from lodestar.kernels.triton_fused import rms_norm
 from lodestar.kernels.triton_quant import SplitPartials
@@ -26,6 +27,9 @@ class RMSNorm(nn.Module):
         (``decode_plan``)."""
         if x.is_cuda:
             return rms_norm(x, self.weight, self.eps, quantize=quantize, prefetch=prefetch, launch_next=launch_next)
+        fast = cpu_ops.rms_norm(x, self.weight, self.eps)
+        if fast is not None:
+            return fast[1]
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -39,6 +43,9 @@ class RMSNorm(nn.Module):
             y, h = rms_norm(delta, self.weight, self.eps, residual=x, quantize=quantize, prefetch=prefetch,
                             launch_next=launch_next)
             return h, y
+        fast = cpu_ops.rms_norm(x, self.weight, self.eps, residual=delta)
+        if fast is not None:
+            return fast
         h = x + delta
         return h, self(h)
 
@@ -78,6 +85,9 @@ class OffsetRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return rms_norm(x, self.weight, self.eps, offset=True)
+        fast = cpu_ops.rms_norm(x, self.weight, self.eps)
+        if fast is not None:
+            return fast[1]
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -87,6 +97,9 @@ class OffsetRMSNorm(RMSNorm):
         if x.is_cuda:
             y, h = rms_norm(delta, self.weight, self.eps, offset=True, residual=x)
             return h, y
+        fast = cpu_ops.rms_norm(x, self.weight, self.eps, residual=delta)
+        if fast is not None:
+            return fast
         h = x + delta
         return h, self(h)
 

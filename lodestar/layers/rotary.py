@@ -35,6 +35,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.max_positions = 0
         self._step: tuple | None = None   # (positions, dtype, cos, sin) of the current step
+        self._covered: torch.Tensor | None = None   # the positions the tables were last extended for
         self._extend(max_positions)
 
     def _extend(self, n: int) -> None:
@@ -52,6 +53,17 @@ class RotaryEmbedding(nn.Module):
         positions on the host (that would synchronise and break CUDA graphs)."""
         if n > self.max_positions:
             self._extend(n)
+
+    def covers(self, positions: torch.Tensor) -> bool:
+        """Extend the CPU tables to ``positions`` (once per positions tensor); True when the
+        tables (``cos``, ``sin``: ``[max_positions, rotary_dim]``) are on the CPU."""
+        if self.cos.is_cuda:
+            return False
+        if self._covered is not positions:
+            if positions.numel() and int(positions.max()) >= self.max_positions:
+                self._extend(max(int(positions.max()) + 1, 2 * self.max_positions))
+            self._covered = positions
+        return True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``positions [T]``."""

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
+from lodestar.kernels import cpu_ops
 from lodestar.kernels.policy import active
 from lodestar.kernels.triton_dense import GELU_TANH
 from lodestar.layers.activation import gelu_tanh_mul
@@ -19,7 +20,8 @@ from lodestar.layers.attention import AttentionBatch
 from lodestar.layers.cuda_linear import CudaDenseLinear
 from lodestar.layers.norm import OffsetRMSNorm
 from lodestar.layers.rotary import RotaryEmbedding
-from lodestar.models.llama import LlamaArgs, LlamaAttention, block_tensors, check_config, mlp_projections, trunk_tensors
+from lodestar.models.llama import (LlamaArgs, LlamaAttention, block_tensors, check_config, fused_glu, mlp_projections,
+                                   trunk_tensors)
 from lodestar.models.validate import CheckpointError, TensorSpec
 from lodestar.models.weights import WeightLoader, split_fused
 
@@ -58,6 +60,8 @@ class Gemma3MLP(nn.Module):
         if isinstance(self.gate_up, CudaDenseLinear) and "glu_epilogue" in active().fusions \
                 and self.gate_up.fuses_glu(x):
             return self.down(self.gate_up.forward_glu(x, GELU_TANH))
+        if not x.is_cuda and not isinstance(self.gate_up, nn.ModuleList):
+            return self.down(fused_glu(self.gate_up(x), self.ffn_dim, cpu_ops.GLU_GELU_TANH, gelu_tanh_mul))
         gate, up = split_fused(self.gate_up, x, (self.ffn_dim, self.ffn_dim))
         return self.down(gelu_tanh_mul(gate, up))
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from lodestar.formats.config import ModelConfig
-from lodestar.kernels import triton_fused
+from lodestar.kernels import cpu_ops, triton_fused
+from lodestar.kernels.cpu_decoder import LlamaLayers
 from lodestar.kernels.policy import active
 from lodestar.kernels.triton_dense import SILU
 from lodestar.layers.activation import silu_mul
@@ -192,8 +193,10 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         if batch.gpu is None:
             q, k, v = self._qkv(x)
-            q, k = self.rope(positions, q, k)
-            write_kv(self.k_cache, self.v_cache, k, v, batch)
+            if not (self.rope.covers(positions) and cpu_ops.rope_store(
+                    q, k, v, positions, batch.slot_mapping, self.rope.cos, self.rope.sin, self.k_cache, self.v_cache)):
+                q, k = self.rope(positions, q, k)
+                write_kv(self.k_cache, self.v_cache, k, v, batch)
             o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
             return self.o(o.reshape(T, -1))
         if step is None:
@@ -225,6 +228,12 @@ def mlp_projections(a: LlamaArgs, w: WeightLoader, i: int) -> tuple[nn.Module, n
     return gate_up, w.row_parallel_linear(p + "ffn_down.weight", (f0, f1)), f1 - f0
 
 
+def fused_glu(gate_up: torch.Tensor, ffn: int, kind: int, torch_form) -> torch.Tensor:
+    """``act(gate) * up`` of a fused gate|up output: the compiled kernel, else ``torch_form``."""
+    act = cpu_ops.glu(gate_up, ffn, kind)
+    return act if act is not None else torch_form(*gate_up.split([ffn, ffn], dim=-1))
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, a: LlamaArgs, w: WeightLoader, i: int) -> None:
         super().__init__()
@@ -234,6 +243,9 @@ class LlamaMLP(nn.Module):
         """``down(silu(gate(x)) * up(x))``; on the GPU as ``step`` (``decode_plan.MlpStep``) says.
         ``x`` may be ``QuantizedRows`` or a ``triton_dense.PendingNorm`` there."""
         form = "plain" if step is None else step.form
+        if form == "plain" and isinstance(x, torch.Tensor) and not x.is_cuda \
+                and not isinstance(self.gate_up, nn.ModuleList):
+            return self.down(fused_glu(self.gate_up(x), self.ffn_dim, cpu_ops.GLU_SILU, silu_mul))
         if form == "glu_epilogue":
             return self.down(self.gate_up.forward_glu(x, SILU))
         if form == "plain":
@@ -294,6 +306,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(w.vector("output_norm.weight"), a.rms_eps)
         self.head = w.head("output.weight", self.embed)
         self.head_plan = HeadPlan(self.head)
+        # CPU: the layer loop in one compiled call where the model qualifies (cpu_decoder; the
+        # same bits). Tests and the step profiler turn it off to run the per-operation graph.
+        self.fused_cpu_layers = True
+        self._cpu_layers: LlamaLayers | bool | None = None
 
     @property
     def attention_layers(self) -> list[LlamaAttention]:
@@ -303,6 +319,11 @@ class LlamaModel(nn.Module):
         h = self.embed(input_ids)
         if h.is_cuda:
             return self._forward_gpu(h, positions, batch)
+        if self.fused_cpu_layers:
+            if self._cpu_layers is None:
+                self._cpu_layers = LlamaLayers.of(self) or False
+            if self._cpu_layers and self._cpu_layers.run(h, positions, batch):
+                return self.norm(h)
         for blk in self.layers:
             h = blk(h, positions, batch)
         return self.norm(h)

@@ -162,7 +162,8 @@ def resolve_max_tokens(state: ServeState, prompt_len: int, requested: int | None
     """The request's token budget; raises the 400/503 errors a stream could no longer report as a status.
 
     A prompt that leaves no room for one output token is a 400 naming both counts and the fix.
-    Otherwise the output may use the rest of the context: an uncapped request gets all of it,
+    Otherwise the output may use the rest of the context: an uncapped request gets all of it
+    (or the server's ``--max-tokens``, when set),
     and a cap larger than that is lowered to it, with a warning, rather than refused (OpenAI
     refuses it, but coding tools send a fixed output cap with whatever prompt they have, and a
     400 there breaks the tool). Either way the output stops with finish reason ``length``.
@@ -175,8 +176,11 @@ def resolve_max_tokens(state: ServeState, prompt_len: int, requested: int | None
     if limit is not None and stats.get("waiting", 0) + n > limit:
         raise QueueFullError(stats.get("waiting", 0), limit)
     room = context - prompt_len
-    if requested is None or requested <= room:
-        return requested if requested is not None else room
+    if requested is None:           # the server's cap (serve --max-tokens), else the rest of the context
+        cap = state.config.sampling_defaults.get("max_tokens")
+        return room if cap is None else min(cap, room)
+    if requested <= room:
+        return requested
     if warnings is not None:
         warnings.add(f"{max_field}={requested} lowered to {room}: the prompt has {prompt_len} tokens and the "
                      f"context is {context}, so the output stops after {room} tokens (finish reason length); "

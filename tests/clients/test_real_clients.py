@@ -6,10 +6,12 @@ them); a client that cannot be installed (registry unreachable) is skipped with 
 reason. Set LODESTAR_SKIP_CLIENT_TESTS=1 to skip the module, LODESTAR_CLIENTS_DIR to keep
 the installs elsewhere (a cache that outlives the checkout).
 
-One `lodestar serve --temperature 0` (default model, free loopback port) serves the
-module: Codex and Claude Code send no temperature, and sampled at the API default 1.0 the
-135M model's replies turn to noise that runs to the output cap (Claude Code then retries
-three times and fails; Codex sets no cap at all). Each client talks to it through
+One `lodestar serve --temperature 0 --max-tokens 512` (default model, free loopback port)
+serves the module: Codex and Claude Code send no temperature, and sampled at the API
+default 1.0 the 135M model's replies turn to noise that runs to the output cap (Claude Code
+then retries three times and fails); Codex sets no cap at all, and on some prompts (its
+instructions carry the date) the greedy 135M model repeats itself until the context ends,
+so the server caps what a request that sets none may generate. Each client talks to it through
 capture_server.py in proxy mode, which records every request and the server's reply, so
 the tests can check the server side of each exchange.
 
@@ -72,7 +74,7 @@ def lodestar_url(client_status, smollm_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "lodestar.cli", "serve", "--port", "0", "--log-level", "info",
-                                 "--temperature", "0"],
+                                 "--temperature", "0", "--max-tokens", "512"],
                                 stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         line = proc.stdout.readline()  # the ready line, once the model is loaded and warm
@@ -152,10 +154,20 @@ def _norm(text: str) -> str:
     return " ".join(re.sub(r"[*_`#>|]", " ", text).split())
 
 
+def _capped(entry: dict) -> bool:
+    """The server cut its answer at the module server's --max-tokens (finish reason length)."""
+    reply = bytes(entry.get("reply") or b"").decode("utf-8", "replace").replace(" ", "")
+    return any(mark in reply for mark in ('"reason":"max_output_tokens"', '"finish_reason":"length"',
+                                          '"stop_reason":"max_tokens"'))
+
+
 def assert_answered(server: CaptureServer, result: clients.Result) -> None:
-    """Exit 0, the server's last answer 200 and non-empty, and the client printed it."""
+    """Exit 0, the server's last answer 200 and non-empty, and the client printed it. A client
+    that reports an answer the server's cap cut (Codex exits 1 on an incomplete response) has
+    still been answered: on some prompts the greedy 135M model repeats itself until the cap."""
     answered = [e for e in _generations(server) if not e.get("scripted")]
-    assert result.returncode == 0, result.describe() + "".join(
+    cut = bool(answered) and _capped(answered[-1]) and result.returncode is not None
+    assert result.returncode == 0 or cut, result.describe() + "".join(
         f"\n--- {e['path']} -> {e.get('reply_status')}, {len(answer_text(e))} characters so far: "
         f"{answer_text(e)[-300:]!r}" for e in answered)
     assert answered, "the client sent no request to the server\n" + result.describe()

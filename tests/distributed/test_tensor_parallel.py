@@ -6,26 +6,16 @@ with the oracle's top log-probabilities within 1e-3. Measured: TP=2 log-probabil
 differ from TP=1 by at most 1e-5 (SmolLM2-135M, 32 tokens) and 7e-6 (Gemma-3-270M,
 16 tokens): only the order of the row-parallel sums changes.
 
-Packed mode is not exact under the split, and why: the int4 kernel (Q4_0/Q4_1/Q4_K,
-``aten._weight_int4pack_mm_for_cpu``) rounds its output to bf16. At TP=1 the attention
-output and MLP down projections round their full sum once; at TP=2 each rank rounds
-its partial sum (relative error 2**-9 of the partial) before the all-reduce adds them
-(shown layer by layer in test_sharding.py); packed TP=1 itself rounds every projection
-to bf16 and sits at mean KL 4.9e-4 from fp32 (tests/models/test_packed_agreement.py).
-Measured over the 10 short golden prompts x 32 steps (SmolLM2-135M, AVX2 int4 kernel):
-TP=2 moves the chosen token's log-probability by at most 0.10, and where TP=1's top two
-tokens lie within 1 nat it moves their gap by at most 0.20. 12 of those 320 steps have a
-TP=1 gap under 0.1 nat, so whether they keep their order depends on the exact bf16
-rounding (any change to the packed path; the CPU's int4 kernel variant), not on the
-split being right. ``raw_code`` step 0 is one: ``753`` leads ``3987`` by 0.087 at TP=1,
-0.016 at TP=2 and 0.038 in the fp32 oracle. A side that ranks ``3987`` first (TP=1 did,
-by 0.028, with a batch-dependent CPU attention) starts on the prompt's repeated
-``3987 46477 24 94`` one token early: it reads like ranks out of step, but it is a
-flipped tie. So the packed test asserts what the numerics promise: identical greedy
-tokens up to the first difference, if any, with every chosen log-probability until then
-within ``PACKED_DRIFT`` of TP=1's; at the difference, a near tie: the two tokens are
-each other's runner-up and their gaps add up to less than ``2 * PACKED_DRIFT`` (what
-two log-probabilities that each move by less than ``PACKED_DRIFT`` can cross).
+Packed mode is not bit-exact under the split, and why: the packed kernel adds a row's
+block products into one fp32 sum in order; at TP=2 each rank sums its half of the blocks
+of the attention output and MLP down projections and the all-reduce adds the halves (shown
+layer by layer in test_sharding.py): the same terms in another rounding order, as on the
+fp32 path. Where TP=1's top two tokens lie in a near tie, that can still swap them, so the
+packed test asserts what the numerics promise: identical greedy tokens up to the first
+difference, if any, with every chosen log-probability until then within ``PACKED_DRIFT``
+of TP=1's; at the difference, a near tie: the two tokens are each other's runner-up and
+their gaps add up to less than ``2 * PACKED_DRIFT`` (what two log-probabilities that each
+move by less than ``PACKED_DRIFT`` can cross).
 
 Timing never matters: every exchange between the ranks (the step message on the pipe,
 each all-reduce, the logits gather) blocks and is matched in order, so a starved worker
@@ -58,7 +48,7 @@ from lodestar.formats.catalog import file_sha256
 
 GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
 LOGPROB_TOL = 1e-3
-PACKED_DRIFT = 0.25     # nats a packed TP=2 log-probability may move (measured 0.10; module docstring)
+PACKED_DRIFT = 0.25     # nats a packed TP=2 log-probability may move (module docstring)
 
 
 @pytest.fixture

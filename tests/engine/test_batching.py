@@ -1,9 +1,11 @@
 """Batching must not change greedy output (ARCHITECTURE.md §4).
 
-Both weight paths are tested. The packed path (default) is batch-invariant bit for bit:
-its linear kernels are row-invariant (tests/kernels/test_cpu_quant.py) and CPU attention
-runs per sequence with shapes that depend on that sequence alone, so a request's
-log-probabilities in a batch equal its solo run exactly (asserted below). Before
+Both weight paths are tested. The packed path (default) is batch-invariant bit for bit
+while a prompt is prefilled in the same chunks: its linear kernels are row-invariant
+(tests/kernels/test_cpu_quant.py) and CPU attention runs per sequence (decoded tokens row
+by row) with shapes that depend on that sequence alone, so a request's log-probabilities
+in a batch equal its solo run exactly (asserted below). A prompt the batch cuts into other
+chunks gets the same tokens, its prompt rows' last bits following SDPA's blocking. Before
 attention ran per sequence, batched rows differed by up to ~0.03 in log-probability,
 enough to flip raw_code's first token (top-2 margin 0.037). The fp32 path gives the same
 tokens; its log-probabilities may differ in the last bits (MKL's GEMM blocking depends
@@ -42,8 +44,14 @@ def test_batch_of_four_equals_each_alone(engine):
     together = engine.generate(prompts, params)
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     if engine.loaded.mode == "packed":
-        # bit for bit; fp32 GEMM (MKL) rows depend on M in the last bits, tokens do not
-        assert [c.logprobs for c in together] == [c.logprobs for c in alone]
+        # chat_long (1,203 tokens) is cut into other prefill chunks in the batch: its prompt rows'
+        # last bits follow SDPA's blocking (layers/attention.py), measured within 3e-4 here
+        chunked = [len(p) > 256 for p in prompts]
+        for long, a, b in zip(chunked, alone, together):
+            if long:
+                assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+            else:
+                assert a.logprobs == b.logprobs      # bit for bit
     assert engine.pool.num_free == engine.pool.num_blocks
 
 

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from lodestar.engine.grammar import GrammarSpec
 from lodestar.engine.llm_engine import EngineConfig, LLMEngine

@@ -14,6 +14,8 @@ from gguf import GGMLQuantizationType as T
 from safetensors.torch import save_file
 
 from lodestar.cli import main
+from lodestar.engine.loader import open_checkpoint
+from lodestar.formats.safetensors import HFCheckpoint
 from lodestar.formats.catalog import ModelNotFoundError, cached_file_sha256, file_sha256, resolve_model_path
 from lodestar.formats.registry import (FileDigest, ManifestError, ModelRegistry, RegistryConflictError, RegistryError,
                                        build_manifest, describe, locate, manifest_digest, parse_manifest,
@@ -146,6 +148,8 @@ def test_added_names_resolve_as_models(tmp_path):
     with pytest.raises(ModelNotFoundError, match="pass the folder's path"):
         resolve_model_path("mine-hf")
     assert locate("mine-hf").path == folder.resolve() and locate("mine-hf").source == "added"
+    path, source = open_checkpoint("mine-hf")            # what `--model mine-hf` opens
+    assert path == folder.resolve() and isinstance(source, HFCheckpoint)
     model.unlink()
     with pytest.raises(ModelNotFoundError, match="no longer exists.*models rm mine"):
         locate("mine")

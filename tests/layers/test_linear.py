@@ -5,9 +5,9 @@ tests/kernels/test_cpu_quant.py):
 
 * F32, F16, BF16 and the dequantize-then-fp32 path (Q2_K, Q3_K, Q5_K): exact weights,
   fp32 sums in another order: 1e-5 relative.
-* int4 (Q4_0, Q4_1, Q4_K): bf16 scales/zeros, x and output; normwise error < 2U.
-* int8 (Q8_0, Q5_0, Q5_1, Q6_K): x as two int8 terms per sub-block (error at most
-  amax/64516 per element, about 2e-5 normwise): 1e-4.
+* the integer types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0), compiled ("native") or
+  torch ("int") kernels: x as 15-bit integers per 32 values (error at most amax/64768 per
+  element, about 2e-5 normwise): 1e-4.
 * "bf16" mode: bf16 weights, x and output: < 2U.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from gguf import GGUFReader
 from gguf import quants as ref_quants
 from gguf.constants import GGML_QUANT_SIZES
 
+from lodestar.kernels import native
 from lodestar.layers.linear import (
     DenseEmbedding,
     DenseLinear,
@@ -34,9 +35,9 @@ from lodestar.layers.linear import (
 U = 2.0 ** -8
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
              T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-PATH = {T.F32: "fp32", T.Q4_0: "int4", T.Q4_1: "int4", T.Q4_K: "int4",
-        T.Q8_0: "int8", T.Q5_0: "int8", T.Q5_1: "int8", T.Q6_K: "int8"}
-TOLERANCE = {"fp32": 1e-5, "dequant": 1e-5, "int4": 2 * U, "int8": 1e-4}
+INT = "native" if native.available() else "int"
+PATH = {T.F32: "fp32", **{t: INT for t in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q5_1, T.Q6_K)}}
+TOLERANCE = {"fp32": 1e-5, "dequant": 1e-5, "native": 1e-4, "int": 1e-4}
 F16_SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
 
@@ -152,7 +153,7 @@ def test_tied_q8_0_head_shares_one_storage():
     assert emb.nbytes == data.numel()
     head = emb.as_linear()
     assert emb.data is None                              # GGUF bytes released
-    # int8 codes + fp32 scales: 36 bytes per 32 weights against the block's 34.
+    # byte codes + fp32 scales: 36 bytes per 32 weights against the block's 34.
     assert emb.nbytes == head.nbytes == data.numel() * 36 // 34
 
 
@@ -248,7 +249,7 @@ def test_real_smollm_tied_embedding_and_head(smollm_path):
     w = torch.from_numpy(reference(data.numpy(), qtype).reshape(n, k).copy())
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
     for rows in (x[:1], x):
-        assert rel(head(rows), rows @ w.t()) < TOLERANCE["int8"]
+        assert rel(head(rows), rows @ w.t()) < TOLERANCE[INT]
 
 
 def test_real_gemma_types(gemma_path):

@@ -427,6 +427,24 @@ def test_server_sampling_defaults_fill_what_a_request_leaves_out(tokenizer):
         assert (r.json()["temperature"], r.json()["top_p"]) == (0.2, 0.9)
 
 
+def test_the_servers_output_cap_applies_to_requests_that_set_none(tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    config = ServeConfig(model_names=(MODEL,), sampling_defaults={"max_tokens": 7})     # serve --max-tokens 7
+    with serve_in_thread(build_app(engine, config)) as url:
+        for path, body in _bodies("hi").items():
+            assert _post(url, path, body).status_code == 200, path
+            if path != "/v1/completions":                # its API default is 16, as in OpenAI's
+                assert engine.requests[-1][1].max_tokens == (7 if "max_tokens" not in body else body["max_tokens"]), path
+        r = _post(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 30,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and engine.requests[-1][1].max_tokens == 30     # a request's own cap wins
+    from argparse import Namespace
+
+    from lodestar.cli import sampling_defaults
+    assert sampling_defaults(Namespace(temperature=None, top_p=None, top_k=None, default_max_tokens=512), {}) \
+        == {"max_tokens": 512}
+
+
 def test_serve_sampling_defaults_come_from_flags_then_the_model_file():
     from argparse import Namespace
 

@@ -52,10 +52,13 @@ def serving(engine, db: Path, agent_client=None, bench_results: Path | None = No
         app.state.agent_client_factory = lambda session: agent_client
     if bench_results is not None:
         app.state.bench_results = bench_results
-    if switch_with is not None:
-        enable_model_switching(app, *switch_with)
-    with serve_in_thread(app) as url:
-        yield url
+    manager = enable_model_switching(app, *switch_with) if switch_with is not None else None
+    try:
+        with serve_in_thread(app) as url:
+            yield url
+    finally:
+        if manager is not None and manager.state.engine.current is not None:
+            manager.state.engine.current.shutdown()        # the model switched to, or the first
 
 
 @pytest.fixture(scope="module")
@@ -699,6 +702,41 @@ def test_models_view_switches_unloads_adds_verifies_and_explains_a_refused_load(
         one(browser, "#add-model-button").click()
         wait(browser, lambda d: by_css(d, "#models-table tr[data-name='my-gemma']"), message="the added model is missing")
         assert "added" in row(browser, "my-gemma").text and one(browser, "#model-path").get_attribute("value") == ""
+
+
+def test_a_real_model_switch_in_the_browser_answers_the_next_message_with_the_new_model(
+        browser, tmp_path, smollm_path):
+    from lodestar.engine.async_engine import AsyncLLMEngine
+    from lodestar.engine.llm_engine import EngineConfig, LLMEngine
+    from lodestar.engine.loader import load_model
+
+    def build(model: str) -> AsyncLLMEngine:
+        return AsyncLLMEngine(lambda: LLMEngine(load_model(model, progress=False), EngineConfig(
+            max_num_seqs=2, kv_tokens=1024, max_model_len=512)), max_queued=4)
+
+    switch = (EngineFactory(build, context=512, kv_tokens=1024), ModelRegistry(tmp_path / "models.json"))
+    first = build(str(smollm_path))
+    with serving(first, tmp_path / "agent.db", switch_with=switch) as url:
+        open_page(browser, url, "#/models")
+        button = lambda d: one(d, "#models-table tr[data-name='gemma3-270m'] button.load")
+        wait(browser, lambda d: button(d).is_enabled(), message="the models were not listed")
+        button(browser).click()
+        wait(browser, lambda d: one(d, "#served-model").text == "gemma3-270m", timeout=60,
+             message="the switch to the real gemma3-270m did not happen")
+
+        r = httpx.post(f"{url}/api/conversations", json={"settings": {"temperature": 0, "max_tokens": 8}}, timeout=10)
+        cid = r.json()["id"]
+        open_page(browser, url, f"#/chat/{cid}")
+        send(browser, "The capital of France is")
+        answer = wait_reply_done(browser, count=1, timeout=60)
+        text = stored(url, cid)["messages"][-1]["content"]
+        assert text.strip() and text.strip()[:20] in answer.text
+        direct = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "gemma3-270m", "messages": [{"role": "user", "content": "The capital of France is"}],
+            "temperature": 0, "max_tokens": 8}).json()
+        assert direct["choices"][0]["message"]["content"] == text        # the page was answered by gemma3
+        assert [r["model"] for r in httpx.get(f"{url}/api/stats", timeout=10).json()["requests"]] == ["gemma3-270m"] * 2
+        browser.get("about:blank")
 
 
 # -- reports -------------------------------------------------------------------------------------

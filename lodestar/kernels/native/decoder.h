@@ -1,0 +1,42 @@
+/* Llama-family decoder layers in one call (decoder.c). */
+#ifndef LODESTAR_DECODER_H
+#define LODESTAR_DECODER_H
+
+#include <stdint.h>
+
+/* A packed weight as 9 int64 fields (lodestar.kernels.cpu_decoder builds them). */
+enum { W_CODES, W_SCALES, W_MINS, W_N, W_K, W_GS, W_BITS, W_CODE_BITS, W_OFFSET, WEIGHT_FIELDS };
+
+/* A layer: norm weights, the four projections, the KV caches. */
+enum {
+    L_ATTN_NORM = 0,
+    L_FFN_NORM = 1,
+    L_QKV = 2,
+    L_O = L_QKV + WEIGHT_FIELDS,
+    L_GATE_UP = L_O + WEIGHT_FIELDS,
+    L_DOWN = L_GATE_UP + WEIGHT_FIELDS,
+    L_K_CACHE = L_DOWN + WEIGHT_FIELDS,
+    L_V_CACHE,
+    LAYER_FIELDS
+};
+
+typedef struct {
+    float *h;                   /* [t][d]: the residual stream, in and out */
+    int64_t t, n_layers, d, hq, hk, dim, ffn, rot;
+    float eps, scale;
+    const int64_t *layers;      /* [n_layers][LAYER_FIELDS] */
+    const float *cos, *sin;
+    const int64_t *positions, *slots;
+    int64_t n_rows;
+    const int64_t *rows, *seqs, *lens, *starts, *tables;
+    int64_t table_width, block_size;
+} llama_step;
+
+/* 0, or -1 when memory could not be had. */
+int llama_layers(const llama_step *s);
+
+/* module.c: out[m, n] = x[m, k] @ W.T through the selected tile kernel. */
+int qmm_run(const float *x, int64_t m, int64_t k, float *out, int64_t n, const uint8_t *codes, const float *scales,
+            const float *mins, int gs, int bits, int code_bits, int offset);
+
+#endif
