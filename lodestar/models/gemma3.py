@@ -13,6 +13,7 @@ from torch import nn
 
 from lodestar.formats.config import ModelConfig
 from lodestar.kernels import cpu_ops
+from lodestar.kernels.cpu_decoder import LlamaLayers
 from lodestar.kernels.policy import active
 from lodestar.kernels.triton_dense import GELU_TANH
 from lodestar.layers.activation import gelu_tanh_mul
@@ -131,6 +132,8 @@ class Gemma3Model(nn.Module):
                                     for i in range(a.n_layers))
         self.norm = OffsetRMSNorm(w.vector("output_norm.weight"), a.rms_eps)
         self.head = w.head("output.weight", self.embed)
+        self.fused_cpu_layers = True        # as LlamaModel's: the layer loop in one compiled call
+        self._cpu_layers: LlamaLayers | bool | None = None
 
     @property
     def attention_layers(self) -> list[LlamaAttention]:
@@ -138,6 +141,11 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         h = self.embed(input_ids) * self.embed_scale
+        if not h.is_cuda and self.fused_cpu_layers:
+            if self._cpu_layers is None:
+                self._cpu_layers = LlamaLayers.of(self) or False
+            if self._cpu_layers and self._cpu_layers.run(h, positions, batch):
+                return self.norm(h)
         for blk in self.layers:
             h = blk(h, positions, batch)
         return self.norm(h)

@@ -95,6 +95,7 @@ def test_the_fused_layer_loop_gives_the_per_operation_bits(smollm_path, gemma_pa
     lm = load_model(str(smollm_path), progress=False)
     assert LlamaLayers.of(lm.model) is not None
     assert _generate(lm, True) == _generate(lm, False)       # batched, chunked prefill, decode
-    gemma = load_model(str(gemma_path), progress=False)
-    assert LlamaLayers.of(gemma.model) is None               # q/k norms, sliding windows: the graph runs
+    gemma = load_model(str(gemma_path), progress=False)      # q/k norms, post norms, sliding windows, GELU,
+    assert LlamaLayers.of(gemma.model) is not None            # two rotary tables, q/k/v of different types
+    assert _generate(gemma, True) == _generate(gemma, False)
     assert LlamaLayers.of(load_model(str(smollm_path), mode="fp32", progress=False).model) is None

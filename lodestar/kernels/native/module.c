@@ -171,31 +171,37 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_llama_layers(PyObject *self, PyObject *args) {
-    unsigned long long h, layers, cs, sn, pos, slots, rows, seqs, lens, starts, tables;
+    unsigned long long h, layers, pos, slots, rows, seqs, lens, tables;
     long long t, n_layers, d, hq, hk, dim, ffn, rot, n_rows, width, bs;
     float eps, scale;
-    if (!PyArg_ParseTuple(args, "KLKLLLLLLLffKKKKLKKKKKLL", &h, &t, &layers, &n_layers, &d, &hq, &hk, &dim, &ffn,
-                          &rot, &eps, &scale, &cs, &sn, &pos, &slots, &n_rows, &rows, &seqs, &lens, &starts, &tables,
-                          &width, &bs))
+    int act;
+    if (!PyArg_ParseTuple(args, "KLKLLLLLLLffiKKLKKKKLL", &h, &t, &layers, &n_layers, &d, &hq, &hk, &dim, &ffn, &rot,
+                          &eps, &scale, &act, &pos, &slots, &n_rows, &rows, &seqs, &lens, &tables, &width, &bs))
         return NULL;
     if (hk <= 0 || hq % hk) {
         PyErr_SetString(PyExc_ValueError, "llama_layers: query heads must be a multiple of KV heads");
         return NULL;
     }
     const int64_t *L = as_ptr(layers);
-    for (long long l = 0; l < n_layers; l++)
-        for (int w = 0; w < 4; w++) {
-            const int64_t *f = L + l * LAYER_FIELDS + L_QKV + w * WEIGHT_FIELDS;
+    for (long long l = 0; l < n_layers; l++) {
+        const int64_t *layer = L + l * LAYER_FIELDS, parts = layer[L_QKV_PARTS];
+        const int fields[6] = {L_QKV, L_O, L_GATE_UP, L_DOWN, L_QKV_K, L_QKV_V};
+        if (parts != 1 && parts != 3) {
+            PyErr_SetString(PyExc_ValueError, "llama_layers: q|k|v must come in 1 or 3 parts");
+            return NULL;
+        }
+        for (int w = 0; w < (parts == 3 ? 6 : 4); w++) {
+            const int64_t *f = layer + fields[w];
             if (!layout_ok(t, f[W_N], f[W_K], (int)f[W_GS], (int)f[W_BITS], f[W_MINS] != 0)) {
                 PyErr_SetString(PyExc_ValueError, "llama_layers: unsupported weight layout");
                 return NULL;
             }
         }
+    }
     llama_step s = {.h = as_ptr(h), .t = t, .n_layers = n_layers, .d = d, .hq = hq, .hk = hk, .dim = dim, .ffn = ffn,
-                    .rot = rot, .eps = eps, .scale = scale, .layers = L, .cos = as_ptr(cs), .sin = as_ptr(sn),
-                    .positions = as_ptr(pos), .slots = as_ptr(slots), .n_rows = n_rows, .rows = as_ptr(rows),
-                    .seqs = as_ptr(seqs), .lens = as_ptr(lens), .starts = as_ptr(starts), .tables = as_ptr(tables),
-                    .table_width = width, .block_size = bs};
+                    .rot = rot, .eps = eps, .scale = scale, .act = act, .layers = L, .positions = as_ptr(pos),
+                    .slots = as_ptr(slots), .n_rows = n_rows, .rows = as_ptr(rows), .seqs = as_ptr(seqs),
+                    .lens = as_ptr(lens), .tables = as_ptr(tables), .table_width = width, .block_size = bs};
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = llama_layers(&s);
@@ -303,8 +309,8 @@ static PyMethodDef METHODS[] = {
      "matmul(x, m, k, out, n, codes, scales, mins, gs, bits, code_bits, offset): out[m, n] = x[m, k] @ W.T"},
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, m, k, q1, q2, dx, xsum, sx): x's int8 digits per block"},
     {"llama_layers", py_llama_layers, METH_VARARGS,
-     "llama_layers(h, t, layers, n_layers, d, hq, hk, dim, ffn, rot, eps, scale, cos, sin, positions, slots, n_rows, "
-     "rows, seqs, lens, starts, tables, width, block_size): every decoder layer of a step, h in place"},
+     "llama_layers(h, t, layers, n_layers, d, hq, hk, dim, ffn, rot, eps, scale, act, positions, slots, n_rows, "
+     "rows, seqs, lens, tables, width, block_size): every decoder layer of a step, h in place"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, res, h, out, w, rows, dim, eps)"},
     {"glu", py_glu, METH_VARARGS, "glu(gate_up, out, rows, ffn, kind): act(gate) * up"},
     {"rope_store", py_rope_store, METH_VARARGS,
