@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
 from gguf import quants as ref_quants
 from gguf.constants import GGML_QUANT_SIZES
 
+from lodestar.formats.gguf import GGUFFile
 from lodestar.kernels import cpu_quant as cq
 from lodestar.kernels import native
 
@@ -60,15 +60,14 @@ def synthetic(qtype: T, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 @functools.cache
 def gguf_tensors(path) -> dict:
-    """Tensors of a GGUF file by name (parsing Gemma's metadata takes seconds: once)."""
-    return {t.name: t for t in GGUFReader(path).tensors}
+    """Tensors of a GGUF file by name (lodestar's reader: gguf-py's takes seconds on Gemma's metadata)."""
+    return GGUFFile(path).tensors
 
 
 def real_tensor(path, name: str) -> tuple[T, torch.Tensor, int, int]:
     t = gguf_tensors(path)[name]
-    raw = np.ascontiguousarray(t.data).view(np.uint8)
-    k, n = int(t.shape[0]), int(t.shape[1])
-    return T(t.tensor_type), torch.from_numpy(raw.reshape(n, -1).copy()), n, k
+    n, k = t.shape
+    return T(int(t.qtype)), t.data.clone(), n, k
 
 
 def layouts() -> list[bool]:

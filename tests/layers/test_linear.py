@@ -12,16 +12,15 @@ tests/kernels/test_cpu_quant.py):
 """
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
 from gguf import quants as ref_quants
 from gguf.constants import GGML_QUANT_SIZES
 
+from lodestar.formats.gguf import GGUFFile
 from lodestar.kernels import native
 from lodestar.layers.linear import (
     DenseEmbedding,
@@ -204,20 +203,11 @@ def test_bad_arguments_are_explained():
 # Real tensors
 
 
-@functools.cache
-def _gguf_tensors(path) -> dict:
-    """Tensors of a GGUF file by name (parsing Gemma's metadata takes seconds: once)."""
-    return {t.name: t for t in GGUFReader(path).tensors}
-
-
 def _real(path, names):
-    out = {}
-    for t in _gguf_tensors(path).values():
-        if t.name in names:
-            k, n = int(t.shape[0]), int(t.shape[1])
-            raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1)
-            out[t.name] = (T(t.tensor_type), torch.from_numpy(raw.copy()), n, k)
-    return out
+    """(type, bytes [n, row bytes], n, k) of the named tensors, by lodestar's GGUF reader (gguf-py's
+    takes seconds on Gemma's metadata)."""
+    tensors = GGUFFile(path).tensors
+    return {name: (T(int(tensors[name].qtype)), tensors[name].data.clone(), *tensors[name].shape) for name in names}
 
 
 def _check_real(qtype, data, n, k):
