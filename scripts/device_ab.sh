@@ -34,6 +34,8 @@ for pkg in gguf yaml:pyyaml tqdm jinja2 markupsafe pytest:pytest,pluggy,iniconfi
   done
 done
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+# the compiled CPU kernels, for this machine's Python (the CPU tests then run them, as CI does)
+$PY setup.py -q build_ext --inplace >> "$OUT/install.log" 2>&1 || echo "native CPU kernels not built (see install.log)"
 case "${1:-}" in
   tests)
     PYTHONPATH="$PWD:$DEPS" timeout -k 10 ${TESTS_S:-540} $PY -m pytest -q -p no:cacheprovider -o addopts="" -n 8 \

@@ -182,8 +182,10 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:      # contiguous: the compiled norm, as the fused layer loop runs it
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.q_norm is not None:
+            if not q.is_cuda:            # contiguous: the compiled norm, as the fused layer loop runs it
+                q, k = q.contiguous(), k.contiguous()
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
