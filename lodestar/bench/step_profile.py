@@ -7,7 +7,7 @@ what remains of the model's forward (embedding, residual adds, the layer loop). 
 engine's step spends outside the model (scheduling, sampling, detokenizing, Python) is the
 step's time less the model's. The table runs the per-operation graph (hooks need it); the
 step as it runs by default (the layer loop in one compiled call where the model qualifies,
-``kernels.cpu_decoder``) is timed without hooks and printed above it, with the unhooked
+``models.cpu_layers``) is timed without hooks and printed above it, with the unhooked
 per-operation step.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ from torch import nn
 
 from lodestar.formats.config import ModelConfig
 from lodestar.kernels import cpu_ops
-from lodestar.kernels.cpu_decoder import LlamaLayers
+from lodestar.models.cpu_layers import LlamaLayers
 from lodestar.kernels.policy import active
 from lodestar.kernels.triton_dense import GELU_TANH
 from lodestar.layers.activation import gelu_tanh_mul

@@ -12,7 +12,7 @@ from torch import nn
 
 from lodestar.formats.config import ModelConfig
 from lodestar.kernels import cpu_ops, triton_fused
-from lodestar.kernels.cpu_decoder import LlamaLayers
+from lodestar.models.cpu_layers import LlamaLayers
 from lodestar.kernels.policy import active
 from lodestar.kernels.triton_dense import SILU
 from lodestar.layers.activation import silu_mul
@@ -308,7 +308,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(w.vector("output_norm.weight"), a.rms_eps)
         self.head = w.head("output.weight", self.embed)
         self.head_plan = HeadPlan(self.head)
-        # CPU: the layer loop in one compiled call where the model qualifies (cpu_decoder; the
+        # CPU: the layer loop in one compiled call where the model qualifies (models.cpu_layers; the
         # same bits). Tests and the step profiler turn it off to run the per-operation graph.
         self.fused_cpu_layers = True
         self._cpu_layers: LlamaLayers | bool | None = None

@@ -1,5 +1,5 @@
 """The compiled per-layer CPU operations (lodestar.kernels.cpu_ops) against their torch forms,
-and the fused decoder-layer loop (cpu_decoder) against the per-operation graph."""
+and the fused decoder-layer loop (models.cpu_layers) against the per-operation graph."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lodestar.kernels import cpu_ops, native
-from lodestar.kernels.cpu_decoder import LlamaLayers
+from lodestar.models.cpu_layers import LlamaLayers
 from lodestar.layers.attention import AttentionBatch, paged_attention
 from lodestar.layers.rotary import _apply
 

@@ -39,11 +39,8 @@ def isa() -> str | None:
     return _ext.isa() if _ext is not None else None
 
 
-def matmul(*args) -> None:
-    _ext.matmul(*args)
-
-
 def quantize(*args) -> None:
+    """x's digits as the matrix products make them (tests compare with ``cpu_quant.quantize_x``)."""
     _ext.quantize(*args)
 
 

@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-/* A packed weight as 9 int64 fields (lodestar.kernels.cpu_decoder builds them). */
+/* A packed weight as 9 int64 fields (lodestar.models.cpu_layers builds them). */
 enum { W_CODES, W_SCALES, W_MINS, W_N, W_K, W_GS, W_BITS, W_CODE_BITS, W_OFFSET, WEIGHT_FIELDS };
 
 /* A layer: norm weights, the four projections, the KV caches, and what a Gemma-3 layer adds

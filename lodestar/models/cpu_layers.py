@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from lodestar.kernels import native
+from lodestar.kernels.cpu_ops import GLU_GELU_TANH, GLU_SILU
 from lodestar.kernels.cpu_quant import IntWeight
+from lodestar.layers.norm import OffsetRMSNorm, RMSNorm
 
 WEIGHT_FIELDS = 9       # decoder.h: codes, scales, mins, n, k, group, bits, code bits, offset
 
@@ -48,9 +50,7 @@ class LlamaLayers:
     @classmethod
     def of(cls, model) -> "LlamaLayers | None":
         """The fused loop for ``model``, or None when it does not qualify."""
-        from lodestar.kernels.cpu_ops import GLU_GELU_TANH, GLU_SILU
-        from lodestar.layers.norm import OffsetRMSNorm, RMSNorm
-        from lodestar.models.gemma3 import Gemma3Block
+        from lodestar.models.gemma3 import Gemma3Block   # they import this module
         from lodestar.models.llama import LlamaBlock
         kinds = {type(b) for b in model.layers}
         if not native.available() or len(kinds) != 1 or not kinds <= {LlamaBlock, Gemma3Block}:
