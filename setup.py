@@ -6,7 +6,7 @@ import sys
 
 from setuptools import Extension, setup
 
-SOURCES = ["module.c", "decoder.c", "ops.c", "qmatmul_generic.c", "qmatmul_x86.c"]
+SOURCES = ["module.c", "decoder.c", "ops.c", "pack.c", "qmatmul_generic.c", "qmatmul_x86.c"]
 if sys.platform == "win32":
     ARGS, LINK = ["/O2", "/openmp", "/fp:strict"], []
 else:
@@ -15,7 +15,7 @@ else:
     if sys.platform != "darwin":      # Apple's clang has no OpenMP: the kernels then run on one thread
         ARGS, LINK = ARGS + ["-fopenmp"], ["-fopenmp"]
 
-HEADERS = ["qmatmul.h", "ops.h", "decoder.h"]
+HEADERS = ["qmatmul.h", "ops.h", "decoder.h", "pack.h"]
 
 setup(ext_modules=[Extension("lodestar.kernels._native", [f"lodestar/kernels/native/{s}" for s in SOURCES],
                              depends=[f"lodestar/kernels/native/{h}" for h in HEADERS], extra_compile_args=ARGS,

@@ -12,7 +12,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import importlib
     module = {"decode": "decode", "serve-load": "serve_load", "cache": "cache", "http": "http",
               "gguf-fuzz": "fuzz_gguf", "fuzz": "fuzz_http", "structured": "structured",
-              "spec": "spec", "agent": "agent", "report": "report", "profile": "step_profile"}[a.bench]
+              "spec": "spec", "agent": "agent", "report": "report", "profile": "step_profile",
+              "startup": "startup"}[a.bench]
     if a.tensor_parallel != 1:
         from lodestar.engine.loader import TENSOR_PARALLEL_ENV
         if a.tensor_parallel < 1:
@@ -51,6 +52,13 @@ def add_bench_parser(sub) -> None:
     bf.add_argument("--prompt-len", type=int, default=64)
     bf.add_argument("--json", type=Path, default=None)
     bf.set_defaults(func=cmd_bench)
+    bs = bsub.add_parser("startup", help="time to the first token seen from outside: lodestar generate from "
+                         "process start, lodestar chat from sending a message (vs import torch, llama.cpp)")
+    _add_model_args(bs)
+    bs.add_argument("--runs", type=int, default=5)
+    bs.add_argument("--timeout", type=float, default=120.0, help="seconds one run may take (default 120)")
+    bs.add_argument("--json", type=Path, default=None)
+    bs.set_defaults(func=cmd_bench)
     bl = bsub.add_parser("serve-load", help="aggregate decode tok/s and TTFT with concurrent streams")
     _add_model_args(bl)
     bl.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])

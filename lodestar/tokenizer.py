@@ -41,6 +41,8 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
+from lodestar.merges import merges_for
+
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -124,24 +126,6 @@ def _unicode_to_bytes() -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def generate_merges(vocab: Mapping[str, int], vocab_scores: Mapping[str, float] | None = None) -> list[tuple[str, str]]:
-    """Merges implied by a vocabulary without a merge list: every split of a token into two
-    tokens, best score first (ties: longer left piece, then longer right piece)."""
-    reverse = vocab_scores is not None
-    scores = dict(vocab_scores) if reverse else vocab
-    merges = []
-    for merge, score in scores.items():
-        local = []
-        for i in range(1, len(merge)):
-            left, right = merge[:i], merge[i:]
-            if left in vocab and right in vocab:
-                local.append((left, right, score))
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        merges.extend(local)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=reverse)
-    return [(m[0], m[1]) for m in merges]
-
-
 def _merges(meta: Mapping[str, Any], tokens: Sequence[str], vocab_scores: Mapping[str, float] | None = None):
     if "tokenizer.ggml.merges" in meta:
         merges = meta["tokenizer.ggml.merges"]
@@ -157,7 +141,7 @@ def _merges(meta: Mapping[str, Any], tokens: Sequence[str], vocab_scores: Mappin
         if "tokenizer.ggml.scores" not in meta:
             raise TokenizerError("GGUF vocabulary has neither tokenizer.ggml.merges nor tokenizer.ggml.scores")
         vocab_scores = dict(zip(tokens, meta["tokenizer.ggml.scores"]))
-    return generate_merges({t: i for i, t in enumerate(tokens)}, vocab_scores)
+    return merges_for({t: i for i, t in enumerate(tokens)}, vocab_scores)
 
 
 def _bpe(meta: Mapping[str, Any], **options: Any) -> BPE:
@@ -227,7 +211,7 @@ def check_metadata(meta: Mapping[str, Any]) -> None:
             raise TokenizerError(f"tokenizer.chat_template does not compile: {_one_line(e)}") from None
 
 
-def _byte_level_backend(meta: Mapping[str, Any]) -> tuple[_Backend, tuple[str, ...]]:
+def _byte_level_backend(meta: Mapping[str, Any]) -> tuple[_Backend, tuple[str, ...], dict[str, int]]:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     tokens = meta["tokenizer.ggml.tokens"]
@@ -240,11 +224,11 @@ def _byte_level_backend(meta: Mapping[str, Any]) -> tuple[_Backend, tuple[str, .
     )
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    return backend, ("<|endoftext|>",)  # GPT2Tokenizer's default unk/bos/eos
+    return backend, ("<|endoftext|>",), vocab  # GPT2Tokenizer's default unk/bos/eos
 
 
 def _llama_backend(meta: Mapping[str, Any], tokens: Sequence[str] | None = None,
-                   vocab_scores: Mapping[str, float] | None = None) -> tuple[_Backend, tuple[str, ...]]:
+                   vocab_scores: Mapping[str, float] | None = None) -> tuple[_Backend, tuple[str, ...], dict[str, int]]:
     tokens = meta["tokenizer.ggml.tokens"] if tokens is None else tokens
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = _Backend(
@@ -258,20 +242,20 @@ def _llama_backend(meta: Mapping[str, Any], tokens: Sequence[str] | None = None,
         [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse(),
          decoders.Strip(content=" ", left=1)]
     )
-    return backend, ("<s>", "</s>", "<unk>")  # LlamaTokenizer's defaults
+    return backend, ("<s>", "</s>", "<unk>"), vocab  # LlamaTokenizer's defaults
 
 
-def _phi3_backend(meta: Mapping[str, Any]) -> tuple[_Backend, tuple[str, ...]]:
+def _phi3_backend(meta: Mapping[str, Any]) -> tuple[_Backend, tuple[str, ...], dict[str, int]]:
     # Prefix space from a normalizer: "  hi" -> "▁▁▁hi" (Metaspace would give "▁▁hi").
-    backend, defaults = _llama_backend(meta)
+    backend, defaults, vocab = _llama_backend(meta)
     backend.normalizer = normalizers.Sequence(
         [normalizers.Prepend(prepend=SPIECE_UNDERLINE), normalizers.Replace(pattern=" ", content=SPIECE_UNDERLINE)]
     )
     backend.pre_tokenizer = None
-    return backend, defaults
+    return backend, defaults, vocab
 
 
-def _gemma_backend(meta: Mapping[str, Any], respell: bool = True) -> tuple[_Backend, tuple[str, ...]]:
+def _gemma_backend(meta: Mapping[str, Any], respell: bool = True) -> tuple[_Backend, tuple[str, ...], dict[str, int]]:
     tokens = meta["tokenizer.ggml.tokens"]
     vocab_scores = None
     if respell:
@@ -289,7 +273,7 @@ def _gemma_backend(meta: Mapping[str, Any], respell: bool = True) -> tuple[_Back
     backend.decoder = decoders.Sequence(
         [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
-    return backend, ("<bos>", "<eos>", "<unk>", "<pad>", "<mask>")  # GemmaTokenizer's defaults
+    return backend, ("<bos>", "<eos>", "<unk>", "<pad>", "<mask>"), vocab  # GemmaTokenizer's defaults
 
 
 _SENTENCEPIECE_BY_ARCH = {"gemma": _gemma_backend, "gemma2": _gemma_backend, "gemma3": _gemma_backend,
@@ -316,10 +300,10 @@ def _build_backend(meta: Mapping[str, Any]) -> _Backend:
         raise TokenizerError(
             f"GGUF tokenizer.ggml.model {model!r} is not supported; supported: {', '.join(sorted(_BUILDERS))}"
         )
-    backend, class_defaults = builder(meta)
+    backend, class_defaults, vocab = builder(meta)     # vocab: the BPE model's (its get_vocab is slower)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or ()
-    base = set(backend.get_vocab(with_added_tokens=False))
+    base = set(vocab)
     known = base
 
     # The tokenizer class's own default special tokens. The oracle appends such a token as a new

@@ -263,32 +263,17 @@ def int_pack(qtype: GGMLQuantizationType, data: torch.Tensor, n: int, k: int,
 
 
 def _pack_native(qtype, data: torch.Tensor, n: int, k: int, fmt: IntFormat) -> IntWeight:
+    """The tile layout (native/qmatmul.h), packed by native/pack.c from the GGUF bytes with
+    the scales and mins ``int_parts`` forms (``int_rows`` reads them back bit-exact)."""
     rows, gs = _native.TILE_ROWS, fmt.group
     g, tiles = k // gs, -(-n // rows)
-    four = fmt.code_bits == 4
-    blk = rows * gs // 2 if four else rows * gs
+    blk = rows * gs // 2 if fmt.code_bits == 4 else rows * gs
     codes = torch.empty(tiles, g, blk, dtype=torch.uint8)
-    scales = torch.zeros(tiles, g, rows, dtype=torch.float32)
-    mins = torch.zeros(tiles, g, rows, dtype=torch.float32) if fmt.has_min else None
-    step = max(1, TILE_ELEMENTS // k // rows)                 # tiles per chunk
-    for t0 in range(0, tiles, step):
-        t1 = min(tiles, t0 + step)
-        r0, r1 = t0 * rows, min(n, t1 * rows)
-        u, scale, minimum = int_parts(qtype, data[r0:r1], r1 - r0, k)
-        if r1 - r0 < (t1 - t0) * rows:                         # the last tile's missing rows
-            pad = (t1 - t0) * rows - (r1 - r0)
-            u = torch.cat([u, u.new_zeros(pad, k)])
-            scale = torch.cat([scale, scale.new_zeros(pad, g)])
-            minimum = None if minimum is None else torch.cat([minimum, minimum.new_zeros(pad, g)])
-        nt = t1 - t0
-        if four:   # byte (v, r, b): code 8v+b of row r, low nibble; code 8v+4+b, high nibble
-            x = u.view(nt, rows, g, gs // 8, 2, 4).permute(0, 2, 3, 1, 4, 5)
-            codes[t0:t1] = (x[..., 0, :] | (x[..., 1, :] << 4)).reshape(nt, g, blk)
-        else:      # byte (q, r, b): code 4q+b of row r
-            codes[t0:t1] = u.view(nt, rows, g, gs // 4, 4).permute(0, 2, 3, 1, 4).reshape(nt, g, blk)
-        scales[t0:t1] = scale.view(nt, rows, g).transpose(1, 2)
-        if mins is not None:
-            mins[t0:t1] = minimum.view(nt, rows, g).transpose(1, 2)
+    scales = torch.empty(tiles, g, rows, dtype=torch.float32)
+    mins = torch.empty(tiles, g, rows, dtype=torch.float32) if fmt.has_min else None
+    data = data.contiguous()
+    _native._ext.pack(int(qtype), data.data_ptr(), n, k, codes.data_ptr(), scales.data_ptr(),
+                      0 if mins is None else mins.data_ptr())
     return IntWeight(codes, scales, mins, n, k, fmt, native=True)
 
 

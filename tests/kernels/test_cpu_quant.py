@@ -118,6 +118,28 @@ def test_rows_are_gguf_weights_in_both_layouts(qtype):
         assert torch.equal(cq.int_rows(packed, ids).view(torch.int32), w[ids].view(torch.int32)), nat
 
 
+# Every fp16 field of each integer type's block (scales, mins), by byte offset.
+F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2),
+              T.Q6_K: (208,)}
+
+
+@pytest.mark.parametrize("qtype", cq.INT_TYPES, ids=lambda t: t.name)
+def test_random_blocks_pack_to_gguf_weights(qtype):
+    # Every byte random (codes, 6-bit scale fields, fp16 signs, subnormal and zero fp16 scales)
+    # except fp16 exponents kept finite: the packed rows are still gguf's, bit for bit.
+    n, k = 37, 512
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(int(qtype)).integers(0, 256, (n, k // block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    for off in F16_FIELDS[qtype]:
+        blocks[:, off + 1] &= 0xBF                       # exponent < 16: finite, often subnormal
+        blocks[::7, off:off + 2] = [0x01, 0x80]          # the smallest negative subnormal
+    want = torch.from_numpy(np.ascontiguousarray(reference(raw, qtype), dtype=np.float32)).reshape(n, k)
+    for nat in layouts():
+        got = cq.int_rows(cq.int_pack(qtype, torch.from_numpy(raw.copy()), n, k, native=nat), torch.arange(n))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), nat
+
+
 @pytest.mark.parametrize("qtype", cq.INT_TYPES, ids=lambda t: t.name)
 def test_int_matmul_within_the_int8_bound(qtype):
     n, k = 300, 512

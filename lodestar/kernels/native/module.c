@@ -15,6 +15,7 @@
 
 #include "decoder.h"
 #include "ops.h"
+#include "pack.h"
 #include "qmatmul.h"
 
 typedef struct {
@@ -271,6 +272,25 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_pack(PyObject *self, PyObject *args) {
+    unsigned long long data, codes, scales, mins;
+    long long n, k;
+    int type;
+    if (!PyArg_ParseTuple(args, "iKLLKKK", &type, &data, &n, &k, &codes, &scales, &mins)) return NULL;
+    int block, bytes, gs, has_min;
+    if (n <= 0 || k <= 0 || pack_block_info(type, &block, &bytes, &gs, &has_min) || k % block ||
+        has_min != (mins != 0)) {
+        PyErr_SetString(PyExc_ValueError, "pack: unsupported type, shape or mins");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pack_tiles(type, as_ptr(data), n, k, as_ptr(codes), as_ptr(scales), as_ptr(mins));
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(current->name); }
 
 static PyObject *py_isas(PyObject *self, PyObject *noargs) {
@@ -319,6 +339,8 @@ static PyMethodDef METHODS[] = {
     {"attend", py_attend, METH_VARARGS,
      "attend(q, q_stride, hq, hk, dim, k_cache, v_cache, out, scale, n, rows, seqs, lens, starts, tables, width, "
      "block_size)"},
+    {"pack", py_pack, METH_VARARGS,
+     "pack(type, data, n, k, codes, scales, mins): GGUF blocks [n, row bytes] -> the tile layout"},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use."},
     {"isas", py_isas, METH_NOARGS, "The instruction sets this CPU can use, best first."},
     {"set_isa", py_set_isa, METH_VARARGS, "Use another available instruction set; returns the previous one."},
