@@ -15,7 +15,7 @@ else:
     if sys.platform != "darwin":      # Apple's clang has no OpenMP: the kernels then run on one thread
         ARGS, LINK = ARGS + ["-fopenmp"], ["-fopenmp"]
 
-HEADERS = ["qmatmul.h", "ops.h", "decoder.h", "pack.h"]
+HEADERS = ["qmatmul.h", "ops.h", "decoder.h", "pack.h", "vmath.h"]
 
 setup(ext_modules=[Extension("lodestar.kernels._native", [f"lodestar/kernels/native/{s}" for s in SOURCES],
                              depends=[f"lodestar/kernels/native/{h}" for h in HEADERS], extra_compile_args=ARGS,

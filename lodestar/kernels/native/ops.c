@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "ops.h"
+#include "vmath.h"
 
 /* Built for several instruction sets, picked at load time (no -march flag needed). Every
  * sum keeps its written order, so each build gives the same bits. */
@@ -58,12 +59,12 @@ CLONES void ops_glu(const float *gate_up, float *out, int64_t rows, int64_t ffn,
         const float *g = gate_up + r * 2 * ffn, *u = g + ffn;
         float *o = out + r * ffn;
         if (kind == GLU_SILU) {
-            for (int64_t i = 0; i < ffn; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        } else {   /* gelu, tanh approximation */
-            const float c = 0.7978845608028654f;   /* sqrt(2/pi) */
+            for (int64_t i = 0; i < ffn; i++) o[i] = g[i] / (1.0f + vexp(-g[i])) * u[i];
+        } else {   /* gelu, tanh approximation: 0.5 v (1 + tanh(y)) = v / (1 + exp(-2y)) */
+            const float c2 = 1.5957691216057308f;   /* 2 sqrt(2/pi) */
             for (int64_t i = 0; i < ffn; i++) {
                 const float v = g[i];
-                o[i] = 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v))) * u[i];
+                o[i] = v / (1.0f + vexp(-c2 * (v + 0.044715f * (v * v * v)))) * u[i];
             }
         }
     }
@@ -115,12 +116,14 @@ CLONES static void attend_one(const attend_args *a, int64_t p, int64_t h, float 
             mx = s > mx ? s : mx;
         }
     }
-    float sum = 0.0f;
-    for (int64_t j = j0; j < lk; j++) {
-        const float e = expf(scores[j - j0] - mx);
-        scores[j - j0] = e;
-        sum += e;
-    }
+    const int64_t len = lk - j0;
+    for (int64_t j = 0; j < len; j++) scores[j] = vexp(scores[j] - mx);
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j8 = 0;
+    for (; j8 + 8 <= len; j8 += 8)
+        for (int l = 0; l < 8; l++) part[l] += scores[j8 + l];
+    for (; j8 < len; j8++) part[j8 & 7] += scores[j8];
+    const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
     for (int64_t j = j0; j < lk;) {
         const int64_t blk = j / bs, end = (blk + 1) * bs < lk ? (blk + 1) * bs : lk;
