@@ -215,7 +215,8 @@ class IntWeight:
 
     ``native`` (the compiled kernels, ``lodestar.kernels._native``): codes uint8 in tiles of
     16 rows, ``[tiles, k/group, 16*group*bits/8]`` (``bits`` 4 for 4-bit codes, two to a
-    byte, else 8), scales and mins fp32 ``[tiles, k/group, 16]``; see native/qmatmul.h.
+    byte, else 8), scales and mins ``[tiles, k/group, 16]``, fp16 for the types whose blocks
+    hold them so (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), fp32 for the K-quants; see native/qmatmul.h.
     ``torch``: codes int8 ``[k/group, n, group]`` holding ``u - offset``, scales and mins
     fp32 ``[k/group, n]``.
     """
@@ -233,9 +234,14 @@ class IntWeight:
         return 4 if self.native and self.fmt.code_bits == 4 else 8
 
     @property
+    def half(self) -> bool:
+        """Scales and mins are fp16 (widened exactly where they are used)."""
+        return self.scales.dtype == torch.float16
+
+    @property
     def nbytes(self) -> int:
-        extra = 0 if self.mins is None else self.mins.numel() * 4
-        return self.codes.numel() + self.scales.numel() * 4 + extra
+        extra = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size() + extra
 
 
 def int_pack(qtype: GGMLQuantizationType, data: torch.Tensor, n: int, k: int,
@@ -269,8 +275,9 @@ def _pack_native(qtype, data: torch.Tensor, n: int, k: int, fmt: IntFormat) -> I
     g, tiles = k // gs, -(-n // rows)
     blk = rows * gs // 2 if fmt.code_bits == 4 else rows * gs
     codes = torch.empty(tiles, g, blk, dtype=torch.uint8)
-    scales = torch.empty(tiles, g, rows, dtype=torch.float32)
-    mins = torch.empty(tiles, g, rows, dtype=torch.float32) if fmt.has_min else None
+    dtype = torch.float16 if _native._ext.half_scales(int(qtype)) else torch.float32
+    scales = torch.empty(tiles, g, rows, dtype=dtype)
+    mins = torch.empty(tiles, g, rows, dtype=dtype) if fmt.has_min else None
     data = data.contiguous()
     _native._ext.pack(int(qtype), data.data_ptr(), n, k, codes.data_ptr(), scales.data_ptr(),
                       0 if mins is None else mins.data_ptr())
@@ -314,7 +321,7 @@ def int_matmul(x: torch.Tensor, w: IntWeight) -> torch.Tensor:
         out = torch.empty(m, w.n, dtype=torch.float32)
         mins = 0 if w.mins is None else w.mins.data_ptr()
         _native._ext.matmul(x.data_ptr(), m, w.k, out.data_ptr(), w.n, w.codes.data_ptr(), w.scales.data_ptr(), mins,
-                            w.fmt.group, w.bits, w.fmt.code_bits, w.fmt.offset)
+                            int(w.half), w.fmt.group, w.bits, w.fmt.code_bits, w.fmt.offset)
         return out
     gs = w.fmt.group
     q1, q2, dx, _, sx = quantize_x(x)
@@ -346,8 +353,8 @@ def int_rows(w: IntWeight, ids: torch.Tensor) -> torch.Tensor:
         else:
             u = sel.view(len(ids), g, gs // 4, rows, 4)[lanes, :, :, r].reshape(len(ids), g, gs)
         q = u.float() - w.fmt.offset
-        scales = w.scales.index_select(0, tile)[lanes, :, r]                 # [L, g]
-        mins = None if w.mins is None else w.mins.index_select(0, tile)[lanes, :, r]
+        scales = w.scales.index_select(0, tile)[lanes, :, r].float()         # [L, g]; fp16 widens exactly
+        mins = None if w.mins is None else w.mins.index_select(0, tile)[lanes, :, r].float()
     else:
         q = w.codes.index_select(1, ids).transpose(0, 1).float()             # [L, g, gs]
         scales = w.scales.index_select(1, ids).t()

@@ -19,7 +19,7 @@ from lodestar.kernels.cpu_ops import GLU_GELU_TANH, GLU_SILU
 from lodestar.kernels.cpu_quant import IntWeight
 from lodestar.layers.norm import OffsetRMSNorm, RMSNorm
 
-WEIGHT_FIELDS = 9       # decoder.h: codes, scales, mins, n, k, group, bits, code bits, offset
+WEIGHT_FIELDS = 10      # decoder.h: codes, scales, mins, n, k, group, bits, code bits, offset, fp16 scales
 
 
 def _weight(module) -> list[int] | None:
@@ -27,7 +27,7 @@ def _weight(module) -> list[int] | None:
     if type(module).__name__ != "QuantizedLinear" or not isinstance(s, IntWeight) or not s.native:
         return None
     return [s.codes.data_ptr(), s.scales.data_ptr(), 0 if s.mins is None else s.mins.data_ptr(), s.n, s.k,
-            s.fmt.group, s.bits, s.fmt.code_bits, s.fmt.offset]
+            s.fmt.group, s.bits, s.fmt.code_bits, s.fmt.offset, int(s.half)]
 
 
 class LlamaLayers:

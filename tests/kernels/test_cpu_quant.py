@@ -105,6 +105,8 @@ def test_native_kernels_are_built_where_a_compiler_is():
         pytest.skip("no C compiler on this machine: the torch form runs")
     assert native.built(), "lodestar.kernels._native is not built: reinstall (pip install -e .) with a C compiler"
     assert native.isa() in native.isas() and native.isas()[-1] == "generic"
+    from lodestar.models.cpu_layers import WEIGHT_FIELDS
+    assert native._ext.WEIGHT_FIELDS == WEIGHT_FIELDS        # decoder.h and the Python side agree
 
 
 @pytest.mark.parametrize("qtype", cq.INT_TYPES, ids=lambda t: t.name)
@@ -115,6 +117,8 @@ def test_rows_are_gguf_weights_in_both_layouts(qtype):
     for nat in layouts():
         packed = cq.int_pack(qtype, data, n, k, native=nat)
         assert packed.native == nat and packed.fmt.group == (16 if qtype == T.Q6_K else 32)
+        # fp16 scales where the blocks hold fp16 ones; the K-quants' d * sc products stay fp32
+        assert packed.half == (nat and qtype not in (T.Q4_K, T.Q6_K))
         assert torch.equal(cq.int_rows(packed, ids).view(torch.int32), w[ids].view(torch.int32)), nat
 
 

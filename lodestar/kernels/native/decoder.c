@@ -10,8 +10,8 @@
 
 static int matmul(const int64_t *w, const float *x, int64_t m, float *out) {
     return qmm_run(x, m, w[W_K], out, w[W_N], (const uint8_t *)(uintptr_t)w[W_CODES],
-                   (const float *)(uintptr_t)w[W_SCALES], (const float *)(uintptr_t)w[W_MINS], (int)w[W_GS],
-                   (int)w[W_BITS], (int)w[W_CODE_BITS], (int)w[W_OFFSET]);
+                   (const void *)(uintptr_t)w[W_SCALES], (const void *)(uintptr_t)w[W_MINS], (int)w[W_HALF],
+                   (int)w[W_GS], (int)w[W_BITS], (int)w[W_CODE_BITS], (int)w[W_OFFSET]);
 }
 
 static const float *fptr(const int64_t *L, int field) { return (const float *)(uintptr_t)L[field]; }

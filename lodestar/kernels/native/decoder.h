@@ -4,8 +4,8 @@
 
 #include <stdint.h>
 
-/* A packed weight as 9 int64 fields (lodestar.models.cpu_layers builds them). */
-enum { W_CODES, W_SCALES, W_MINS, W_N, W_K, W_GS, W_BITS, W_CODE_BITS, W_OFFSET, WEIGHT_FIELDS };
+/* A packed weight as int64 fields (lodestar.models.cpu_layers builds them); W_HALF: fp16 scales. */
+enum { W_CODES, W_SCALES, W_MINS, W_N, W_K, W_GS, W_BITS, W_CODE_BITS, W_OFFSET, W_HALF, WEIGHT_FIELDS };
 
 /* A layer: norm weights, the four projections, the KV caches, and what a Gemma-3 layer adds
  * (0 where absent): q/k norms, the norms after attention and after the MLP, a sliding window,
@@ -48,7 +48,7 @@ typedef struct {
 int llama_layers(const llama_step *s);
 
 /* module.c: out[m, n] = x[m, k] @ W.T through the selected tile kernel. */
-int qmm_run(const float *x, int64_t m, int64_t k, float *out, int64_t n, const uint8_t *codes, const float *scales,
-            const float *mins, int gs, int bits, int code_bits, int offset);
+int qmm_run(const float *x, int64_t m, int64_t k, float *out, int64_t n, const uint8_t *codes, const void *scales,
+            const void *mins, int half, int gs, int bits, int code_bits, int offset);
 
 #endif

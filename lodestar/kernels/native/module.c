@@ -26,7 +26,7 @@ typedef struct {
 
 static int always(void) { return 1; }
 #if defined(__x86_64__) || defined(_M_X64)
-static int has_avx2(void) { return __builtin_cpu_supports("avx2"); }
+static int has_avx2(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }
 static int has_avx512vnni(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -115,15 +115,15 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-int qmm_run(const float *x, int64_t m, int64_t k, float *out, int64_t n, const uint8_t *codes, const float *scales,
-            const float *mins, int gs, int bits, int code_bits, int offset) {
+int qmm_run(const float *x, int64_t m, int64_t k, float *out, int64_t n, const uint8_t *codes, const void *scales,
+            const void *mins, int half, int gs, int bits, int code_bits, int offset) {
     if (m == 0) return 0;
     const int64_t nb = k / XBLOCK;
     char *scratch = malloc((size_t)(2 * m * k + m * nb * 4 * 4 + 64));
     if (!scratch) return -1;
     qmm_args a = {
         .m = m, .n = n, .k = k, .gs = gs, .bits = bits, .code_bits = code_bits, .offset = offset,
-        .has_min = mins != NULL, .codes = codes, .scales = scales, .mins = mins, .out = out,
+        .has_min = mins != NULL, .half = half, .codes = codes, .scales = scales, .mins = mins, .out = out,
     };
     float *dx = (float *)scratch;
     float *sx = dx + m * nb;
@@ -154,8 +154,8 @@ static int layout_ok(long long m, long long n, long long k, int gs, int bits, in
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     unsigned long long x, out, codes, scales, mins;
     long long m, k, n;
-    int gs, bits, code_bits, offset;
-    if (!PyArg_ParseTuple(args, "KLLKLKKKiiii", &x, &m, &k, &out, &n, &codes, &scales, &mins, &gs, &bits,
+    int half, gs, bits, code_bits, offset;
+    if (!PyArg_ParseTuple(args, "KLLKLKKKiiiii", &x, &m, &k, &out, &n, &codes, &scales, &mins, &half, &gs, &bits,
                           &code_bits, &offset))
         return NULL;
     if (!layout_ok(m, n, k, gs, bits, mins != 0)) {
@@ -164,8 +164,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = qmm_run(as_ptr(x), m, k, as_ptr(out), n, as_ptr(codes), as_ptr(scales), as_ptr(mins), gs, bits, code_bits,
-                 offset);
+    rc = qmm_run(as_ptr(x), m, k, as_ptr(out), n, as_ptr(codes), as_ptr(scales), as_ptr(mins), half != 0, gs, bits,
+                 code_bits, offset);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -291,6 +291,16 @@ static PyObject *py_pack(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_half_scales(PyObject *self, PyObject *args) {
+    int type, block, bytes, gs, has_min;
+    if (!PyArg_ParseTuple(args, "i", &type)) return NULL;
+    if (pack_block_info(type, &block, &bytes, &gs, &has_min)) {
+        PyErr_SetString(PyExc_ValueError, "half_scales: a type without an integer form");
+        return NULL;
+    }
+    return PyBool_FromLong(pack_half_scales(type));
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(current->name); }
 
 static PyObject *py_isas(PyObject *self, PyObject *noargs) {
@@ -326,7 +336,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
 
 static PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS,
-     "matmul(x, m, k, out, n, codes, scales, mins, gs, bits, code_bits, offset): out[m, n] = x[m, k] @ W.T"},
+     "matmul(x, m, k, out, n, codes, scales, mins, half, gs, bits, code_bits, offset): out[m, n] = x[m, k] @ W.T"},
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, m, k, q1, q2, dx, xsum, sx): x's int8 digits per block"},
     {"llama_layers", py_llama_layers, METH_VARARGS,
      "llama_layers(h, t, layers, n_layers, d, hq, hk, dim, ffn, rot, eps, scale, act, positions, slots, n_rows, "
@@ -341,6 +351,7 @@ static PyMethodDef METHODS[] = {
      "block_size)"},
     {"pack", py_pack, METH_VARARGS,
      "pack(type, data, n, k, codes, scales, mins): GGUF blocks [n, row bytes] -> the tile layout"},
+    {"half_scales", py_half_scales, METH_VARARGS, "half_scales(type): pack keeps the type's scales and mins fp16"},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use."},
     {"isas", py_isas, METH_NOARGS, "The instruction sets this CPU can use, best first."},
     {"set_isa", py_set_isa, METH_VARARGS, "Use another available instruction set; returns the previous one."},
@@ -354,6 +365,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *mod = PyModule_Create(&MODULE);
     if (mod) {
         PyModule_AddIntConstant(mod, "TILE_ROWS", TILE_ROWS);
+        PyModule_AddIntConstant(mod, "WEIGHT_FIELDS", WEIGHT_FIELDS);
     }
     return mod;
 }

@@ -12,26 +12,11 @@
 /* ggml type ids */
 enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q6_K = 14 };
 
-static float f16(const uint8_t *p) {
-    const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-    const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    uint32_t bits;
-    if (e == 0x1F) {
-        bits = sign | 0x7F800000u | (m << 13);
-    } else if (e) {
-        bits = sign | ((e + 112) << 23) | (m << 13);
-    } else if (!m) {
-        bits = sign;
-    } else {   /* subnormal: normalize */
-        int shift = 0;
-        uint32_t mm = m;
-        while (!(mm & 0x400)) mm <<= 1, shift++;
-        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mm & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+static uint16_t raw16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static float f16(const uint8_t *p) { return f16_to_f32(raw16(p)); }
+
+/* The types whose scales (and mins) are fp16 fields, kept fp16 in the tiles. */
+int pack_half_scales(int type) { return type != GG_Q4_K && type != GG_Q6_K; }
 
 int pack_block_info(int type, int *block, int *bytes, int *gs, int *has_min) {
     switch (type) {
@@ -56,25 +41,28 @@ static void q5_codes(const uint8_t *qh, const uint8_t *qs, uint8_t *u) {
     for (int j = 0; j < 32; j++) u[j] |= (uint8_t)(((high >> j) & 1) << 4);
 }
 
-/* One row of k weights: codes u [k], scales [k/gs], mins [k/gs] (when the type has them). */
-static void decode_row(int type, const uint8_t *b, int64_t k, uint8_t *u, float *sc, float *mn) {
+/* One row of k weights: codes u [k], scales [k/gs], mins [k/gs] (when the type has them);
+ * for the types with fp16 fields, scales and mins as those fp16 bits (sc16, mn16). */
+static void decode_row(int type, const uint8_t *b, int64_t k, uint8_t *u, float *sc, float *mn, uint16_t *sc16,
+                       uint16_t *mn16) {
     switch (type) {
         case GG_Q4_0:
-            for (int64_t j = 0; j < k / 32; j++, b += 18) sc[j] = f16(b), nibbles32(b + 2, u + 32 * j);
+            for (int64_t j = 0; j < k / 32; j++, b += 18) sc16[j] = raw16(b), nibbles32(b + 2, u + 32 * j);
             return;
         case GG_Q4_1:
-            for (int64_t j = 0; j < k / 32; j++, b += 20) sc[j] = f16(b), mn[j] = f16(b + 2), nibbles32(b + 4, u + 32 * j);
+            for (int64_t j = 0; j < k / 32; j++, b += 20)
+                sc16[j] = raw16(b), mn16[j] = raw16(b + 2), nibbles32(b + 4, u + 32 * j);
             return;
         case GG_Q5_0:
-            for (int64_t j = 0; j < k / 32; j++, b += 22) sc[j] = f16(b), q5_codes(b + 2, b + 6, u + 32 * j);
+            for (int64_t j = 0; j < k / 32; j++, b += 22) sc16[j] = raw16(b), q5_codes(b + 2, b + 6, u + 32 * j);
             return;
         case GG_Q5_1:
             for (int64_t j = 0; j < k / 32; j++, b += 24)
-                sc[j] = f16(b), mn[j] = f16(b + 2), q5_codes(b + 4, b + 8, u + 32 * j);
+                sc16[j] = raw16(b), mn16[j] = raw16(b + 2), q5_codes(b + 4, b + 8, u + 32 * j);
             return;
         case GG_Q8_0:
             for (int64_t j = 0; j < k / 32; j++, b += 34) {
-                sc[j] = f16(b);
+                sc16[j] = raw16(b);
                 for (int e = 0; e < 32; e++) u[32 * j + e] = (uint8_t)((int)(int8_t)b[2 + e] + 128);
             }
             return;
@@ -119,10 +107,11 @@ static void decode_row(int type, const uint8_t *b, int64_t k, uint8_t *u, float 
     }
 }
 
-int pack_tiles(int type, const uint8_t *data, int64_t n, int64_t k, uint8_t *codes, float *scales, float *mins) {
+int pack_tiles(int type, const uint8_t *data, int64_t n, int64_t k, uint8_t *codes, void *scales, void *mins) {
     int block, bytes, gs, has_min;
     if (pack_block_info(type, &block, &bytes, &gs, &has_min) || k % block) return -1;
     const int four = type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q4_K;   /* 4-bit codes, two to a byte */
+    const int half = pack_half_scales(type);
     const int64_t g = k / gs, tiles = (n + TILE_ROWS - 1) / TILE_ROWS, row_bytes = k / block * bytes;
     const int64_t blk = four ? TILE_ROWS * gs / 2 : TILE_ROWS * gs;
     int failed = 0;
@@ -130,26 +119,33 @@ int pack_tiles(int type, const uint8_t *data, int64_t n, int64_t k, uint8_t *cod
     {
         uint8_t *u = malloc((size_t)k);
         float *sc = malloc((size_t)g * sizeof(float)), *mn = malloc((size_t)g * sizeof(float));
-        if (!u || !sc || !mn) failed = 1;
+        uint16_t *sc16 = malloc((size_t)g * sizeof(uint16_t)), *mn16 = malloc((size_t)g * sizeof(uint16_t));
+        if (!u || !sc || !mn || !sc16 || !mn16) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             if (failed) continue;
             uint8_t *tc = codes + t * g * blk;
-            float *ts = scales + t * g * TILE_ROWS, *tm = mins ? mins + t * g * TILE_ROWS : NULL;
+            const int64_t at = t * g * TILE_ROWS;
             for (int r = 0; r < TILE_ROWS; r++) {
                 const int64_t row = t * TILE_ROWS + r;
                 if (row < n) {
-                    decode_row(type, data + row * row_bytes, k, u, sc, mn);
+                    decode_row(type, data + row * row_bytes, k, u, sc, mn, sc16, mn16);
                 } else {   /* the last tile's missing rows: zero codes, scales and mins */
                     memset(u, 0, (size_t)k);
-                    memset(sc, 0, (size_t)g * sizeof(float));
-                    memset(mn, 0, (size_t)g * sizeof(float));
+                    memset(sc, 0, (size_t)g * sizeof(float)), memset(mn, 0, (size_t)g * sizeof(float));
+                    memset(sc16, 0, (size_t)g * sizeof(uint16_t)), memset(mn16, 0, (size_t)g * sizeof(uint16_t));
                 }
                 for (int64_t j = 0; j < g; j++) {
                     uint8_t *dst = tc + j * blk;
                     const uint8_t *src = u + j * gs;
-                    ts[j * TILE_ROWS + r] = sc[j];
-                    if (tm) tm[j * TILE_ROWS + r] = has_min ? mn[j] : 0.0f;
+                    const int64_t i = at + j * TILE_ROWS + r;
+                    if (half) {
+                        ((uint16_t *)scales)[i] = sc16[j];
+                        if (mins) ((uint16_t *)mins)[i] = mn16[j];
+                    } else {
+                        ((float *)scales)[i] = sc[j];
+                        if (mins) ((float *)mins)[i] = mn[j];
+                    }
                     if (four)   /* byte (v, r, b): code 8v+b low nibble, code 8v+4+b high */
                         for (int v = 0; v < gs / 8; v++)
                             for (int e = 0; e < 4; e++)
@@ -159,7 +155,7 @@ int pack_tiles(int type, const uint8_t *data, int64_t n, int64_t k, uint8_t *cod
                 }
             }
         }
-        free(u), free(sc), free(mn);
+        free(u), free(sc), free(mn), free(sc16), free(mn16);
     }
     return failed ? -2 : 0;
 }

@@ -20,6 +20,7 @@
 #define LODESTAR_QMATMUL_H
 
 #include <stdint.h>
+#include <string.h>
 
 #define TILE_ROWS 16
 #define XBLOCK 32          /* x is quantized per 32 values */
@@ -29,9 +30,10 @@
 typedef struct {
     int64_t m, n, k;
     int gs, bits, code_bits, offset, has_min;   /* bits: 4 or 8 per stored code; code_bits: the codes' range */
+    int half;               /* scales and mins are fp16 (else fp32) */
     const uint8_t *codes;   /* [tiles][k/gs][TILE_ROWS*gs*bits/8] */
-    const float *scales;    /* [tiles][k/gs][TILE_ROWS] */
-    const float *mins;      /* same, or NULL */
+    const void *scales;     /* [tiles][k/gs][TILE_ROWS] */
+    const void *mins;       /* same, or NULL */
     const int8_t *q1, *q2;  /* [m][k] each: the digits of Q */
     const float *dx;        /* [m][k/32] */
     const int32_t *xsum;    /* [m][k/16]: sums of Q per 16 values */
@@ -47,6 +49,32 @@ void qmm_tile_generic(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1);
 void qmm_tile_avx2(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1);
 void qmm_tile_avx512vnni(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1);
 #endif
+
+/* An fp16 value widened to fp32 (exact). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0x1F) {
+        bits = sign | 0x7F800000u | (m << 13);
+    } else if (e) {
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    } else if (!m) {
+        bits = sign;
+    } else {   /* subnormal: normalize */
+        int shift = 0;
+        uint32_t mm = m;
+        while (!(mm & 0x400)) mm <<= 1, shift++;
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mm & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Scale (or min) i of a tile's table, fp16 or fp32. */
+static inline float qmm_scale(const void *table, int half, int64_t i) {
+    return half ? f16_to_f32(((const uint16_t *)table)[i]) : ((const float *)table)[i];
+}
 
 /* The exact per-block float update shared by every kernel (no fused multiply-add:
  * the translation units are built with -ffp-contract=off). */

@@ -13,8 +13,7 @@ void qmm_tile_generic(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1) {
     const int64_t nb = a->k / gs;
     const int64_t blk_bytes = (int64_t)TILE_ROWS * gs * a->bits / 8;
     const uint8_t *tc = a->codes + tile * nb * blk_bytes;
-    const float *ts = a->scales + tile * nb * TILE_ROWS;
-    const float *tm = a->has_min ? a->mins + tile * nb * TILE_ROWS : NULL;
+    const int64_t t0 = tile * nb * TILE_ROWS;   /* this tile's first scale */
     float acc[M_CHUNK][TILE_ROWS];
     memset(acc, 0, sizeof(acc));
     for (int64_t j = 0; j < nb; j++) {
@@ -49,11 +48,11 @@ void qmm_tile_generic(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1) {
             const float dxv = a->dx[m * (a->k / XBLOCK) + xb];
             float *ac = acc[m - m0];
             for (int r = 0; r < TILE_ROWS; r++)
-                ac[r] = qmm_step(ac[r], isum[r] - corr, ts[j * TILE_ROWS + r], dxv);
-            if (tm) {
+                ac[r] = qmm_step(ac[r], isum[r] - corr, qmm_scale(a->scales, a->half, t0 + j * TILE_ROWS + r), dxv);
+            if (a->has_min) {
                 const float sxv = a->sx[m * (a->k / XBLOCK) + xb];
                 for (int r = 0; r < TILE_ROWS; r++) {
-                    const float t = tm[j * TILE_ROWS + r] * sxv;
+                    const float t = qmm_scale(a->mins, a->half, t0 + j * TILE_ROWS + r) * sxv;
                     ac[r] = ac[r] + t;
                 }
             }

@@ -21,14 +21,21 @@ static inline int32_t x4_at(const int8_t *p) {
 /* -- AVX-512 with VNNI: one vpdpbusd per 4 codes of 16 rows ------------------------------- */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
+/* 16 scales (or mins) from i on, fp16 widened exactly or fp32. */
+AVX512_TARGET
+static inline __m512 scales16(const void *table, int half, int64_t i) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)table + i)));
+    return _mm512_loadu_ps((const float *)table + i);
+}
+
 AVX512_TARGET
 void qmm_tile_avx512vnni(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1) {
     const int gs = a->gs, nvec = gs / 4;
     const int64_t nb = a->k / gs;
     const int64_t blk_bytes = (int64_t)TILE_ROWS * gs * a->bits / 8;
     const uint8_t *tc = a->codes + tile * nb * blk_bytes;
-    const float *ts = a->scales + tile * nb * TILE_ROWS;
-    const float *tm = a->has_min ? a->mins + tile * nb * TILE_ROWS : NULL;
+    const int64_t t0 = tile * nb * TILE_ROWS;   /* this tile's first scale */
+    const int tm = a->has_min;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[M_CHUNK];
     for (int i = 0; i < M_CHUNK; i++) acc[i] = _mm512_setzero_ps();
@@ -45,8 +52,8 @@ void qmm_tile_avx512vnni(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1
         } else {
             for (int q = 0; q < nvec; q++) c[q] = _mm512_loadu_si512((const void *)(blk + q * 64));
         }
-        const __m512 dw = _mm512_loadu_ps(ts + j * TILE_ROWS);
-        const __m512 mw = tm ? _mm512_loadu_ps(tm + j * TILE_ROWS) : _mm512_setzero_ps();
+        const __m512 dw = scales16(a->scales, a->half, t0 + j * TILE_ROWS);
+        const __m512 mw = tm ? scales16(a->mins, a->half, t0 + j * TILE_ROWS) : _mm512_setzero_ps();
         for (int64_t m = m0; m < m1; m++) {
             const int8_t *x1 = a->q1 + m * a->k + j * gs, *x2 = a->q2 + m * a->k + j * gs;
             __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
@@ -70,7 +77,7 @@ void qmm_tile_avx512vnni(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1
 }
 
 /* -- AVX2: vpmaddubsw + vpmaddwd, two 8-row halves ---------------------------------------- */
-#define AVX2_TARGET __attribute__((target("avx2")))
+#define AVX2_TARGET __attribute__((target("avx2,f16c")))
 
 AVX2_TARGET
 static inline __m256i dot4(__m256i codes, __m256i x, __m256i ones, int wide) {
@@ -83,14 +90,21 @@ static inline __m256i dot4(__m256i codes, __m256i x, __m256i ones, int wide) {
     return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
 }
 
+/* 8 scales (or mins) from i on, fp16 widened exactly or fp32. */
+AVX2_TARGET
+static inline __m256 scales8(const void *table, int half, int64_t i) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)table + i)));
+    return _mm256_loadu_ps((const float *)table + i);
+}
+
 AVX2_TARGET
 void qmm_tile_avx2(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1) {
     const int gs = a->gs, nvec = gs / 4, wide = a->code_bits > 6;
     const int64_t nb = a->k / gs;
     const int64_t blk_bytes = (int64_t)TILE_ROWS * gs * a->bits / 8;
     const uint8_t *tc = a->codes + tile * nb * blk_bytes;
-    const float *ts = a->scales + tile * nb * TILE_ROWS;
-    const float *tm = a->has_min ? a->mins + tile * nb * TILE_ROWS : NULL;
+    const int64_t t0 = tile * nb * TILE_ROWS;   /* this tile's first scale */
+    const int tm = a->has_min;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[M_CHUNK][2];
     for (int i = 0; i < M_CHUNK; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -129,10 +143,10 @@ void qmm_tile_avx2(const qmm_args *a, int64_t tile, int64_t m0, int64_t m1) {
             const __m256 sxv = _mm256_set1_ps(tm ? a->sx[m * (a->k / XBLOCK) + xb] : 0.0f);
             __m256i s[2] = {_mm256_sub_epi32(s0, corr), _mm256_sub_epi32(s1, corr)};
             for (int h = 0; h < 2; h++) {
-                const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ts + j * TILE_ROWS + 8 * h), dxv);
+                const __m256 scale = _mm256_mul_ps(scales8(a->scales, a->half, t0 + j * TILE_ROWS + 8 * h), dxv);
                 __m256 *ac = &acc[m - m0][h];
                 *ac = _mm256_add_ps(*ac, _mm256_mul_ps(_mm256_cvtepi32_ps(s[h]), scale));
-                if (tm) *ac = _mm256_add_ps(*ac, _mm256_mul_ps(_mm256_loadu_ps(tm + j * TILE_ROWS + 8 * h), sxv));
+                if (tm) *ac = _mm256_add_ps(*ac, _mm256_mul_ps(scales8(a->mins, a->half, t0 + j * TILE_ROWS + 8 * h), sxv));
             }
         }
     }
