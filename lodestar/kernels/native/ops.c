@@ -24,16 +24,6 @@
 #define CLONES
 #endif
 
-/* Sum of a[i]*b[i] with 8 partial sums combined in a fixed order (vectorizes, deterministic). */
-static inline float dot8(const float *a, const float *b, int64_t n) {
-    float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) p[l] += a[i + l] * b[i + l];
-    for (; i < n; i++) p[i & 7] += a[i] * b[i];
-    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-}
-
 CLONES void ops_rms_norm(const float *x, const float *res, float *h, float *out, const float *w, int64_t rows, int64_t dim,
                   float eps) {
 #pragma omp parallel for schedule(static) if (rows * dim >= 65536)
@@ -98,11 +88,35 @@ void ops_rope_store(const rope_args *a) {
     }
 }
 
+/* q . k over d values in 8 lanes, then a fixed tree (short heads: less to reduce). */
+static inline float dot8(const float *a, const float *b, int64_t n) {
+    float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) p[l] += a[i + l] * b[i + l];
+    for (; i < n; i++) p[i & 7] += a[i] * b[i];
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+/* q . k over d values in 16 lanes (lane l sums elements l, l+16, ...), then a fixed tree:
+ * the same bits whether a build does the lanes as one vector, two or sixteen scalars. */
+static inline float dot16(const float *q, const float *k, int64_t d) {
+    float p[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
+        for (int l = 0; l < 16; l++) p[l] += q[i + l] * k[i + l];
+    for (; i < d; i++) p[i & 15] += q[i] * k[i];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) p[l] = p[l] + p[l + w];
+    return p[0];
+}
+
 /* One query row of one head over context positions j0..lk-1 of a sequence's block table,
- * walked block by block (no division per position). */
+ * walked block by block (no division per position): scores (16 lanes for heads of 128 and
+ * more, else 8), softmax, then the values summed in position order. */
 CLONES static void attend_one(const attend_args *a, int64_t p, int64_t h, float *scores) {
     const int64_t d = a->dim, g = h / (a->hq / a->hk), stride = a->hk * d;
-    const int64_t lk = a->lens[p], j0 = a->starts[p], bs = a->block_size;
+    const int64_t lk = a->lens[p], j0 = a->starts[p], bs = a->block_size, len = lk - j0;
     const int64_t *table = a->tables + a->seqs[p] * a->table_width;
     const float *q = a->q + a->rows[p] * a->q_stride + h * d;
     float *o = a->out + a->rows[p] * a->hq * d + h * d;
@@ -111,12 +125,11 @@ CLONES static void attend_one(const attend_args *a, int64_t p, int64_t h, float 
         const int64_t blk = j / bs, end = (blk + 1) * bs < lk ? (blk + 1) * bs : lk;
         const float *k = a->k_cache + (table[blk] * bs + (j - blk * bs)) * stride + g * d;
         for (; j < end; j++, k += stride) {
-            const float s = dot8(q, k, d) * a->scale;
+            const float s = (d >= 128 ? dot16(q, k, d) : dot8(q, k, d)) * a->scale;
             scores[j - j0] = s;
             mx = s > mx ? s : mx;
         }
     }
-    const int64_t len = lk - j0;
     for (int64_t j = 0; j < len; j++) scores[j] = vexp(scores[j] - mx);
     float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t j8 = 0;
