@@ -50,6 +50,8 @@ def add_bench_parser(sub) -> None:
     bf.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="sequences decoding together")
     bf.add_argument("--steps", type=int, default=32, help="decode steps timed per row count")
     bf.add_argument("--prompt-len", type=int, default=64)
+    bf.add_argument("--prefill", type=int, nargs="*", default=[], metavar="N",
+                    help="also profile the prefill of one N-token prompt (e.g. 128 1024)")
     bf.add_argument("--json", type=Path, default=None)
     bf.set_defaults(func=cmd_bench)
     bs = bsub.add_parser("startup", help="time to the first token seen from outside: lodestar generate from "

@@ -1,6 +1,7 @@
 """``lodestar bench profile``: where one decode step's time goes, per operation.
 
-Runs ``--rows`` sequences decoding together (1 and 8 by default) and times, with forward
+Runs ``--rows`` sequences decoding together (1 and 8 by default) and, with ``--prefill N``,
+the prefill of one N-token prompt (one step), and times, with forward
 hooks, every projection (by role and weight type), the head, the norms, attention (rope,
 KV store and the attention itself: the attention module less its projections), the MLP's activation, and
 what remains of the model's forward (embedding, residual adds, the layer loop). What the
@@ -113,6 +114,12 @@ def profile(engine, rows: int, steps: int, prompt_len: int) -> dict:
             engine.abort(s.seq_id)
         while engine.has_unfinished():
             engine.step()
+    res = {"rows": rows, "steps": steps, "step_ms": plain.as_dict(), "step_ms_graph": graph.as_dict()}
+    return res | breakdown(timers, hooked, steps)
+
+
+def breakdown(timers: Timers, hooked: float, steps: int) -> dict:
+    """Milliseconds per step by operation from hooked ``steps`` that took ``hooked`` seconds."""
     tot = {k: v / steps * 1e3 for k, v in timers.total.items()}
     linear = {k: v for k, v in tot.items() if k.startswith("linear ")}
     inner_attn = sum(v for k, v in linear.items() if k.split()[1] in ("q|k|v", "o"))
@@ -129,16 +136,43 @@ def profile(engine, rows: int, steps: int, prompt_len: int) -> dict:
     ops.update({"attention (rope, KV store, attend)": attn, "activation (silu * up)": act, "norms": norms,
                 "model other (embedding, residual adds, layer loop)": rest,
                 "engine outside the model (schedule, sample, detokenize)": step_ms - model_ms - head})
-    return {"rows": rows, "steps": steps, "step_ms": plain.as_dict(), "step_ms_graph": graph.as_dict(),
-            "step_ms_hooked": step_ms,
-            "ops_ms": ops, "calls_per_step": {k: timers.calls[k] / steps for k in timers.calls}}
+    return {"step_ms_hooked": step_ms, "ops_ms": ops, "calls_per_step": {k: timers.calls[k] / steps for k in timers.calls}}
+
+
+def profile_prefill(engine, n: int, runs: int) -> dict:
+    """Milliseconds by operation of prefilling one ``n``-token prompt (one step)."""
+    from lodestar.bench.decode import make_prompt
+    from lodestar.engine.sampling import SamplingParams
+    model = engine.loaded.model
+    ids = make_prompt(engine.tokenizer, n)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        engine.generate([ids], params)
+        return time.perf_counter() - t0
+    once()
+    plain = Stat()
+    for _ in range(runs):
+        plain.add(once() * 1e3)
+    timers = instrument(model)
+    try:
+        hooked = sum(once() for _ in range(runs))
+    finally:
+        timers.remove()
+    return {"prefill": n, "steps": runs, "step_ms": plain.as_dict(), "tok_s": n / plain.median * 1e3} | breakdown(
+        timers, hooked, runs)
 
 
 def print_table(res: dict) -> None:
     step = res["step_ms_hooked"]
-    print(f"\n{res['rows']} row(s) decoding: step {res['step_ms']['median']:.2f} ms as it runs, "
-          f"{res['step_ms_graph']['median']:.2f} ms per-operation graph, {step:.2f} ms hooked "
-          f"(medians of {res['steps']} steps); the per-operation graph, hooked:")
+    if "prefill" in res:
+        print(f"\nprefill of {res['prefill']} tokens: {res['step_ms']['median']:.1f} ms ({res['tok_s']:.0f} tok/s), "
+              f"{step:.1f} ms hooked (medians of {res['steps']}):")
+    else:
+        print(f"\n{res['rows']} row(s) decoding: step {res['step_ms']['median']:.2f} ms as it runs, "
+              f"{res['step_ms_graph']['median']:.2f} ms per-operation graph, {step:.2f} ms hooked "
+              f"(medians of {res['steps']} steps); the per-operation graph, hooked:")
     print(f"  {'operation':<58}{'ms/step':>9}{'share':>8}")
     for name, ms in res["ops_ms"].items():
         print(f"  {name:<58}{ms:>9.3f}{ms / step:>8.1%}")
@@ -152,7 +186,9 @@ def main(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     lm = load_model(a.model, mode=a.dtype, progress=False, device=a.device)
     rows = sorted(set(a.rows))
-    engine = LLMEngine(lm, EngineConfig(max_num_seqs=max(rows), kv_tokens=max(rows) * (a.prompt_len + 3 * a.steps + 64),
+    longest = max(a.prefill, default=0)
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=max(rows), max_num_batched_tokens=max(512, longest),
+                                        kv_tokens=max(max(rows) * (a.prompt_len + 3 * a.steps + 64), longest + 64),
                                         enable_prefix_cache=False))
     engine.warmup()
     print(f"model {lm.path.name} ({a.dtype}) on {lm.device}, {torch.get_num_threads()} threads, "
@@ -162,6 +198,9 @@ def main(a: argparse.Namespace) -> int:
     with torch.inference_mode():
         for r in rows:
             results.append(profile(engine, r, a.steps, a.prompt_len))
+            print_table(results[-1])
+        for n in sorted(set(a.prefill)):
+            results.append(profile_prefill(engine, n, max(1, a.steps // 8)))
             print_table(results[-1])
     if a.json:
         doc = {"bench": "profile", "model": lm.path.name, "dtype": a.dtype, "threads": torch.get_num_threads(),
