@@ -90,21 +90,39 @@ class LlamaCppRunner:
         return time.perf_counter() - t_first, count - 1
 
 
-def measure(runner, prompts: dict[int, list[int]], decode_prompt: list[int], gen: int, runs: int) -> dict:
-    res = {"load_s": Stat()}
-    for _ in range(runs):
-        res["load_s"].add(runner.load())
+def measure(runners: list, prompts: dict[int, list[int]], decode_prompt: list[int], gen: int, runs: int) -> dict:
+    """Every metric for every runner, their runs interleaved (A B, then B A, ...), so that the
+    machine's drift over the minutes a run takes falls on both alike."""
+    res = {r.name: {} for r in runners}
+
+    def rounds(metric: str, one) -> None:
+        for r in runners:
+            res[r.name][metric] = Stat()
+        for i in range(runs):
+            for r in (runners if i % 2 == 0 else runners[::-1]):
+                res[r.name][metric].add(one(r))
+
+    rounds("load_s", lambda r: r.load())
     for n, ids in prompts.items():
-        runner.prefill(ids)  # warm-up
-        st = res[f"prefill_{n}_tok_s"] = Stat()
-        for _ in range(runs):
-            st.add(len(ids) / runner.prefill(ids))
-    runner.decode(decode_prompt, 16)  # warm-up
-    st = res[f"decode_{gen}_tok_s"] = Stat()
-    for _ in range(runs):
-        dt, count = runner.decode(decode_prompt, gen)
-        st.add(count / dt)
+        for r in runners:
+            r.prefill(ids)  # warm-up
+        rounds(f"prefill_{n}_tok_s", lambda r: len(ids) / r.prefill(ids))
+    for r in runners:
+        r.decode(decode_prompt, 16)  # warm-up
+
+    def decode_rate(r) -> float:
+        dt, count = r.decode(decode_prompt, gen)
+        return count / dt
+    rounds(f"decode_{gen}_tok_s", decode_rate)
     return res
+
+
+def paired_ratios(ours: Stat, theirs: Stat, metric: str) -> Stat:
+    """Run i of one engine against run i of the other (measured side by side)."""
+    out = Stat()
+    for a, b in zip(ours.values, theirs.values):
+        out.add(b / a if metric == "load_s" else a / b)
+    return out
 
 
 def main(a: argparse.Namespace) -> int:
@@ -129,10 +147,9 @@ def main(a: argparse.Namespace) -> int:
             if a.peer == "llama.cpp":
                 print(f"lodestar: error: {peer_note}", file=sys.stderr)
                 return 2
-    results = {}
+    print(f"measuring {' and '.join(r.name for r in runners)}, runs interleaved ...", file=sys.stderr)
+    results = measure(runners, prompts, decode_prompt, a.gen_tokens, a.runs)
     for r in runners:
-        print(f"measuring {r.name} ...", file=sys.stderr)
-        results[r.name] = measure(r, prompts, decode_prompt, a.gen_tokens, a.runs)
         r.engine = r.llm = None
 
     metrics = list(results["lodestar"])
@@ -141,17 +158,19 @@ def main(a: argparse.Namespace) -> int:
     where = resolve_device(a.device)
     print(f"\nmodel {path.name} ({a.dtype}) on {where} (llama.cpp on the CPU), {threads} threads, "
           f"median [min–max] of {a.runs} runs")
-    print(f"{'metric':<22}{'lodestar':>26}{'llama.cpp':>26}{'ratio':>8}")
+    print(f"{'metric':<22}{'lodestar':>26}{'llama.cpp':>26}{'ratio, run by run':>26}")
+    ratios = {}
     for m in metrics:
         ours = results["lodestar"][m]
         theirs = peer[m] if peer else None
         digits = 2 if m == "load_s" else 1
         ratio = "-"
         if theirs:
-            r = theirs.median / ours.median if m == "load_s" else ours.median / theirs.median
-            ratio = f"{r:.2f}x"
-        print(f"{m:<22}{ours.fmt(digits):>26}{(theirs.fmt(digits) if theirs else '-'):>26}{ratio:>8}")
-    print("(ratio > 1 means lodestar is faster; for load_s it is llama.cpp time / lodestar time)")
+            ratios[m] = paired_ratios(ours, theirs, m)
+            ratio = ratios[m].fmt(2) + "x"
+        print(f"{m:<22}{ours.fmt(digits):>26}{(theirs.fmt(digits) if theirs else '-'):>26}{ratio:>26}")
+    print("(ratio > 1 means lodestar is faster; for load_s it is llama.cpp time / lodestar time; each run of one "
+          "engine is paired with the other's run beside it)")
     if peer_note:
         print(peer_note)
     if a.json:
@@ -160,7 +179,8 @@ def main(a: argparse.Namespace) -> int:
                "prompt_ids_sha": {n: ids_hash(ids) for n, ids in prompts.items()},
                "decode_prompt_ids": decode_prompt, "sampler": "greedy", "commit": git_commit(),
                "device": device_info(), "lodestar_device": where,
-               "results": {k: {m: s.as_dict() for m, s in v.items()} for k, v in results.items()}}
+               "results": {k: {m: s.as_dict() for m, s in v.items()} for k, v in results.items()},
+               "paired_ratio": {m: s.as_dict() for m, s in ratios.items()}}
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
