@@ -80,11 +80,14 @@ def run_levels(aeng, tokenizer, levels: list[int], prompt_len: int, gen: int, ru
     results = {}
     asyncio.run(_one_level(aeng, [base[:prompt_len]], 8))  # warm-up
     for n in levels:
-        # distinct prompts (shifted windows) so no request shares another's prefix
-        prompts = [base[i:i + prompt_len] for i in range(n)]
-        r = results[n] = {"decode_tok_s": Stat(), "tok_s": Stat(), "ttft_p50_ms": Stat(), "ttft_p95_ms": Stat()}
-        for _ in range(runs):
+        results[n] = {"decode_tok_s": Stat(), "tok_s": Stat(), "ttft_p50_ms": Stat(), "ttft_p95_ms": Stat()}
+    # The levels' runs interleave (1 8, then 8 1, ...), so the machine's drift falls on all alike.
+    for i in range(runs):
+        for n in (levels if i % 2 == 0 else levels[::-1]):
+            # distinct prompts (shifted windows) so no request shares another's prefix
+            prompts = [base[j:j + prompt_len] for j in range(n)]
             tok_s, ttfts, decode = asyncio.run(_one_level(aeng, prompts, gen))
+            r = results[n]
             r["decode_tok_s"].add(decode)
             r["tok_s"].add(tok_s)
             r["ttft_p50_ms"].add(1000 * statistics.median(ttfts))
