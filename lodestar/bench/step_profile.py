@@ -133,7 +133,7 @@ def breakdown(timers: Timers, hooked: float, steps: int) -> dict:
     rest = model_ms - (sum(linear.values()) - head) - norms - attn - act
     step_ms = hooked / steps * 1e3
     ops = dict(sorted(linear.items(), key=lambda kv: -kv[1]))
-    ops.update({"attention (rope, KV store, attend)": attn, "activation (silu * up)": act, "norms": norms,
+    ops.update({"attention (rope, KV store, attend)": attn, "activation (act(gate) * up)": act, "norms": norms,
                 "model other (embedding, residual adds, layer loop)": rest,
                 "engine outside the model (schedule, sample, detokenize)": step_ms - model_ms - head})
     return {"step_ms_hooked": step_ms, "ops_ms": ops, "calls_per_step": {k: timers.calls[k] / steps for k in timers.calls}}
