@@ -756,17 +756,8 @@ class Tokenizer:
 
 def read_tokenizer_metadata(path: str | PathLike) -> dict[str, Any]:
     """The ``tokenizer.*`` and ``general.architecture`` fields of a GGUF file as plain Python values."""
-    import gguf  # the reader is only needed when building from a file
-
-    reader = gguf.GGUFReader(str(path), "r")
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.") or key == "general.architecture":
-            value = field.contents()
-            if isinstance(value, list) and value and hasattr(value[0], "item"):
-                value = [v.item() for v in value]
-            meta[key] = value
-    return meta
+    from lodestar.formats.gguf import read_metadata   # the reader is only needed when building from a file
+    return read_metadata(path, lambda key: key.startswith("tokenizer.") or key == "general.architecture")
 
 
 def from_gguf(path: str | PathLike) -> Tokenizer:

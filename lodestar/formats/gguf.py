@@ -272,6 +272,27 @@ def _field_value(reader: _Reader, field) -> Any:
     return field.parts[-1][0].item()
 
 
+def read_metadata(path: str | Path, wanted=lambda key: True) -> dict[str, Any]:
+    """The metadata fields of a GGUF file whose keys ``wanted`` accepts, as plain Python values
+    (GGUFFile's forms), without building a model config: any architecture's file reads."""
+    path = Path(path)
+    try:
+        if not path.is_file():
+            raise _FileError("no such file" if not path.exists() else "not a regular file")
+        _check_header(path)
+        reader = _Reader(path)
+        return {key: _field_value(reader, field) for key, field in reader.fields.items()
+                if not key.startswith("GGUF.") and wanted(key)}
+    except GGUFError:
+        raise
+    except _FileError as e:
+        raise GGUFError(f"{path}: {e}") from None
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read: {e.strerror or e}") from e
+    except Exception as e:  # numpy/struct/recursion errors from corrupt bytes
+        raise GGUFError(f"{path}: corrupt GGUF file ({type(e).__name__}: {e})") from e
+
+
 class GGUFFile:
     """A memory-mapped GGUF v2/v3 file.
 

@@ -315,3 +315,20 @@ def test_invalid_utf8_in_metadata(tmp_path):
     patch(path, data.index(b"abcdef"), b"\xff\xfe")
     expect_error(path, "invalid UTF-8")
 
+
+
+def test_read_metadata_gives_the_fields_and_names_a_bad_file(tmp_path):
+    from lodestar.formats.gguf import read_metadata
+    from lodestar.tokenizer import read_tokenizer_metadata
+    path = write_gguf(tmp_path / "m.gguf", arch="mamba9", kv={"tokenizer.ggml.model": "gpt2"})
+    meta = read_tokenizer_metadata(path)
+    assert meta == {"general.architecture": "mamba9", "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab"],
+                    "tokenizer.ggml.model": "gpt2"}
+    assert read_metadata(path)["mamba9.block_count"] == 2
+    for bad, match in ((tmp_path / "nope.gguf", "no such file"), (tmp_path, "not a regular file")):
+        with pytest.raises(GGUFError, match=match):
+            read_metadata(bad)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:60])
+    with pytest.raises(GGUFError, match="cut.gguf"):
+        read_metadata(cut)
