@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import math
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,25 +273,34 @@ def _field_value(reader: _Reader, field) -> Any:
     return field.parts[-1][0].item()
 
 
-def read_metadata(path: str | Path, wanted=lambda key: True) -> dict[str, Any]:
-    """The metadata fields of a GGUF file whose keys ``wanted`` accepts, as plain Python values
-    (GGUFFile's forms), without building a model config: any architecture's file reads."""
-    path = Path(path)
+@contextmanager
+def _one_line_errors(path: Path):
+    """Whatever reading ``path`` raises, as one GGUFError naming the file."""
     try:
-        if not path.is_file():
-            raise _FileError("no such file" if not path.exists() else "not a regular file")
-        _check_header(path)
-        reader = _Reader(path)
-        return {key: _field_value(reader, field) for key, field in reader.fields.items()
-                if not key.startswith("GGUF.") and wanted(key)}
+        yield
     except GGUFError:
         raise
     except _FileError as e:
         raise GGUFError(f"{path}: {e}") from None
     except OSError as e:
         raise GGUFError(f"{path}: cannot read: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise GGUFError(f"{path}: corrupt: invalid UTF-8 in a name or string ({e})") from e
     except Exception as e:  # numpy/struct/recursion errors from corrupt bytes
         raise GGUFError(f"{path}: corrupt GGUF file ({type(e).__name__}: {e})") from e
+
+
+def read_metadata(path: str | Path, wanted=lambda key: True) -> dict[str, Any]:
+    """The metadata fields of a GGUF file whose keys ``wanted`` accepts, as plain Python values
+    (GGUFFile's forms), without building a model config: any architecture's file reads."""
+    path = Path(path)
+    with _one_line_errors(path):
+        if not path.is_file():
+            raise _FileError("no such file" if not path.exists() else "not a regular file")
+        _check_header(path)
+        reader = _Reader(path)
+        return {key: _field_value(reader, field) for key, field in reader.fields.items()
+                if not key.startswith("GGUF.") and wanted(key)}
 
 
 class GGUFFile:
@@ -304,18 +314,8 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        try:
+        with _one_line_errors(self.path):
             self._open()
-        except GGUFError:
-            raise
-        except _FileError as e:
-            raise GGUFError(f"{self.path}: {e}") from None
-        except OSError as e:
-            raise GGUFError(f"{self.path}: cannot read: {e.strerror or e}") from e
-        except UnicodeDecodeError as e:
-            raise GGUFError(f"{self.path}: corrupt: invalid UTF-8 in a name or string ({e})") from e
-        except Exception as e:  # numpy/struct/recursion errors from corrupt bytes
-            raise GGUFError(f"{self.path}: corrupt GGUF file ({type(e).__name__}: {e})") from e
 
     def _open(self) -> None:
         if not self.path.exists():
