@@ -98,7 +98,7 @@ def test_preemption_keeps_outputs_exact(solo):
 
 
 def test_random_aborts_leak_nothing(smollm_path):
-    e = _engine(max_num_seqs=8, max_num_batched_tokens=96, kv_tokens=2048)
+    e = _engine("packed", max_num_seqs=8, max_num_batched_tokens=96, kv_tokens=2048)   # bookkeeping: any weights do
     rng = random.Random(0)
     free0 = e.pool.num_free
     live = []
