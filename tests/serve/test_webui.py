@@ -534,8 +534,9 @@ def _load(url: str, n: int = 3) -> None:
 
 
 def test_dashboard_charts_move_under_load_and_list_the_requests(browser, fake_engine, script, tmp_path):
-    decode = lambda d: one(d, "#chart-decode path[data-series='decode']").get_attribute("d")
-    points = lambda d: [float(p.split()[1]) for p in decode(d)[1:].split("L")]   # y 100 is zero
+    decode = lambda d: one(d, "#chart-decode path[data-series='decode']").get_attribute("d") or ""
+    # the path's y values (100 is zero); none while the chart is not drawn yet ("" or "M")
+    points = lambda d: [float(xy[1]) for xy in (p.split() for p in decode(d)[1:].split("L")) if len(xy) == 2]
     with serving(fake_engine, tmp_path / "agent.db") as url:                # fresh counters
         open_page(browser, url, "#/stats")
         wait(browser, lambda d: len(points(d)) >= 2, message="the decode chart was not drawn")
