@@ -761,16 +761,13 @@ def main(argv: list[str] | None = None) -> int:
     # while they are made would scan them again and again (0.2 s of the start), and frozen
     # afterwards no collection scans them at all.
     first = "torch" not in sys.modules
-    if first:
-        gc.disable()
-    try:
+    from lodestar.engine.collector import paused
+    with paused():
         parser = build_parser()
         a = parser.parse_args(argv)
         from lodestar.distributed import WorkerDiedError
-    finally:
-        if first:
-            gc.freeze()
-            gc.enable()
+    if first:
+        gc.freeze()
     try:
         return a.func(a)
     except user_errors() as e:

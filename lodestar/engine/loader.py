@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from lodestar.engine.collector import paused
 from lodestar.formats.catalog import resolve_model_path
 from lodestar.formats.config import ModelConfig
 from lodestar.formats.gguf import GGUFError, GGUFFile
@@ -93,19 +94,6 @@ def gguf_tokenizer(path: Path, source: GGUFFile) -> Tokenizer:
         raise GGUFError(f"{path}: {e}") from None
 
 
-def _without_collection(fn, *args):
-    """``fn(*args)`` with the cyclic garbage collector paused: building a vocabulary of
-    262,144 tokens allocates millions of objects, and each collection it triggers would walk
-    every object of the process (in a long-lived server, most of a second)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        return fn(*args)
-    finally:
-        if was:
-            gc.enable()
-
-
 def resolve_tensor_parallel(tensor_parallel: int | None) -> int:
     """``None`` -> $LODESTAR_TENSOR_PARALLEL, else 1."""
     if tensor_parallel is None:
@@ -147,7 +135,8 @@ def load_model(spec: str | Path | None = None, mode: str = "packed", progress: b
     path, source = open_checkpoint(spec, device)
     if isinstance(source, GGUFFile):
         validate_gguf(path, source)     # before anything is built or allocated
-        tokenizer = _without_collection(gguf_tokenizer, path, source)
+        with paused():      # a 262,144-token vocabulary makes millions of objects; collections would walk them all
+            tokenizer = gguf_tokenizer(path, source)
     else:
         tokenizer = source.tokenizer()
     group = None

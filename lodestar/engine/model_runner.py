@@ -33,14 +33,13 @@ speed).
 """
 from __future__ import annotations
 
-import gc
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from lodestar.engine.collector import paused
 from lodestar.engine.grammar import apply_masks
 from lodestar.engine.kv_cache import BlockPool, allocate_kv_tensors
 from lodestar.engine.sequence import Sequence
@@ -56,20 +55,6 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # (bench/results/spec-curve-cpu-smollm2.json, ``python -m lodestar.bench.spec_curve --device cpu``)
 CPU_ROW_COST = 0.25
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-
-
-@contextmanager
-def _no_gc():
-    """Python's garbage collector held off for a CUDA-graph capture: a collection inside it
-    may destroy an unreachable earlier engine's graphs, a CUDA call that invalidates the
-    capture (torch itself collects once before the capture begins)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @dataclass(eq=False)
@@ -349,7 +334,7 @@ class ModelRunner:
         if self._prefill_pool is None:
             self._prefill_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with _no_gc(), torch.cuda.graph(graph, pool=self._prefill_pool):
+        with paused(), torch.cuda.graph(graph, pool=self._prefill_pool):
             g.logits = forward()
         g.graph = graph
         self.prefill_buckets[size] = g
@@ -447,7 +432,7 @@ class ModelRunner:
         torch.cuda.current_stream(dev).wait_stream(stream)
         res.zero_()
         graph = torch.cuda.CUDAGraph()
-        with _no_gc(), torch.cuda.graph(graph):
+        with paused(), torch.cuda.graph(graph):
             g.logits = self._graph_body(g)
         g.graph = graph
         torch.cuda.current_stream(dev).synchronize()

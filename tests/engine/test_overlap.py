@@ -143,7 +143,7 @@ def test_graph_captures_hold_the_garbage_collector_off_and_restore_it():
     CUDA call that invalidates the capture); the runner's captures run with it held off."""
     import gc
 
-    from lodestar.engine.model_runner import _no_gc
+    from lodestar.engine.collector import paused as _no_gc
     assert gc.isenabled()
     with _no_gc():
         assert not gc.isenabled()
